@@ -1,0 +1,1 @@
+"""Kernels, each beside its plain PyTorch reference."""

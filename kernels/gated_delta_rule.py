@@ -1,0 +1,132 @@
+"""Gated DeltaNet core ops: causal depthwise conv1d and the chunked gated delta rule.
+
+Two implementations of each, chosen once per process by ``gdn_backend()``:
+- ``fla``: flash-linear-attention's Triton kernels (CUDA only; varlen via cu_seqlens).
+- ``torch``: plain PyTorch references below, used on CPU and wherever fla cannot run.
+  They handle packed (THD) batches: the conv never reads across a sample boundary
+  and the delta-rule state restarts at every sample.
+
+fla 0.6.0 refuses its gated chunk backward on Hopper with 3.4 <= Triton < 3.7.1 (wrong
+results upstream, fla issue #640) unless tilelang is importable. We check that at start-up
+and choose ``torch`` with one warning instead of crashing in the first backward.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def fla_unusable_reason() -> str | None:
+    """None if fla's GDN kernels (forward and backward) can run here, else why not."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
+        from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0
+    except Exception as e:  # ImportError, or a Triton/driver mismatch at import
+        return f"flash-linear-attention not importable ({e})"
+    import fla.utils as fu
+
+    above_371 = getattr(fu, "TRITON_ABOVE_3_7_1", False)
+    if IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not above_371:
+        if importlib.util.find_spec("tilelang") is None:
+            return (
+                "fla's gated chunk backward is refused on Hopper with Triton >=3.4,<3.7.1 "
+                "(fla #640) and tilelang is not installed"
+            )
+    return None
+
+
+@functools.cache
+def gdn_backend(requested: str = "auto") -> str:
+    """Resolve 'auto' | 'fla' | 'torch' to the backend this process uses; logs the choice."""
+    reason = fla_unusable_reason()
+    if requested == "torch":
+        return "torch"
+    if requested == "fla":
+        if reason:
+            raise RuntimeError(f"model.gdn_backend=fla cannot run: {reason}")
+        return "fla"
+    if requested != "auto":
+        raise ValueError(f"model.gdn_backend must be auto|fla|torch, got {requested!r}")
+    if reason is None:
+        log.info("GDN kernels: flash-linear-attention")
+        return "fla"
+    level = logging.WARNING if torch.cuda.is_available() else logging.INFO
+    log.log(level, "GDN kernels: PyTorch reference (%s)", reason)
+    return "torch"
+
+
+def position_in_sample(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Index of each packed token within its own sample, computed on the device."""
+    pos = torch.arange(total, device=cu_seqlens.device)
+    seg = torch.bucketize(pos, cu_seqlens[1:].to(pos.dtype), right=True)
+    return pos - cu_seqlens.to(pos.dtype)[seg]
+
+
+def causal_conv1d_silu_ref(x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """SiLU(causal depthwise conv1d). x [B, T, D], weight [D, W]; resets at sample starts."""
+    width = weight.shape[-1]
+    if cu_seqlens is None:
+        y = F.conv1d(x.transpose(1, 2), weight.unsqueeze(1), padding=width - 1, groups=x.shape[-1])
+        return F.silu(y[..., : x.shape[1]].transpose(1, 2))
+    # packed: out[t] = sum_j w[W-1-j] * x[t-j], keeping only taps inside t's sample
+    pos = position_in_sample(cu_seqlens, x.shape[1])
+    out = x * weight[:, width - 1]
+    for j in range(1, width):
+        shifted = F.pad(x, (0, 0, j, 0))[:, : x.shape[1]]
+        keep = (pos >= j).to(x.dtype)[None, :, None]
+        out = out + shifted * keep * weight[:, width - 1 - j]
+    return F.silu(out)
+
+
+def chunk_gated_delta_rule_ref(q, k, v, g, beta, cu_seqlens=None, chunk_size: int = 64):
+    """Gated delta rule, chunked, fp32 inside. q,k [B,T,H,K] (already l2-normed), v [B,T,H,V].
+
+    Packed batches (B == 1 with cu_seqlens) run sample by sample so the recurrent state
+    restarts at each boundary. That loop reads cu_seqlens on the host: this is the
+    reference / CPU path; on GPU fla's varlen kernel is used.
+    """
+    from megatron.core.ssm.gated_delta_net import torch_chunk_gated_delta_rule
+
+    if cu_seqlens is None:
+        return torch_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size)[0]
+    bounds = cu_seqlens.tolist()
+    outs = []
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        if e > s:
+            o, _ = torch_chunk_gated_delta_rule(
+                q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], chunk_size=chunk_size
+            )
+            outs.append(o)
+    return torch.cat(outs, dim=1)
+
+
+def causal_conv1d_silu(x, weight, cu_seqlens, backend: str):
+    if backend == "fla":
+        from fla.modules.convolution import causal_conv1d
+
+        cu = None if cu_seqlens is None else cu_seqlens.long()
+        return causal_conv1d(x=x, weight=weight, bias=None, activation="silu", cu_seqlens=cu)[0]
+    return causal_conv1d_silu_ref(x, weight, cu_seqlens)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, backend: str):
+    if backend == "fla":
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+
+        cu = None if cu_seqlens is None else cu_seqlens.long()
+        return fla_chunk(q, k, v, g=g, beta=beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=False)[0]
+    return chunk_gated_delta_rule_ref(q, k, v, g, beta, cu_seqlens)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)

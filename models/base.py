@@ -1,0 +1,57 @@
+"""MultimodalModel: vision encoder -> image embeddings scattered into token embeddings -> decoder.
+
+Any model family plugs in here with a megatron GPTModel-like decoder (``embedding``,
+``forward(..., decoder_input=...)``, ``set_input_tensor``) and an optional vision encoder
+mapping ``(pixel_values, image_grid_thw)`` to one row per image token.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.transformer.module import MegatronModule
+
+
+class MultimodalModel(MegatronModule):
+    def __init__(self, config, language_model, vision_model, image_token_id: int, pre_process: bool = True,
+                 post_process: bool = True):
+        super().__init__(config=config)
+        self.language_model = language_model
+        # The vision encoder lives on the first pipeline stage only.
+        self.vision_model = vision_model if pre_process else None
+        self.image_token_id = image_token_id
+        self.pre_process, self.post_process = pre_process, post_process
+        self.share_embeddings_and_output_weights = language_model.share_embeddings_and_output_weights
+
+    def set_input_tensor(self, input_tensor) -> None:
+        self.language_model.set_input_tensor(input_tensor)
+
+    def shared_embedding_or_output_weight(self):
+        return self.language_model.shared_embedding_or_output_weight()
+
+    def embed(self, tokens: torch.Tensor, pixel_values: torch.Tensor | None,
+              image_grid_thw: torch.Tensor | None) -> torch.Tensor:
+        """Token embeddings [S, B, H] with image features at the image-token positions."""
+        emb = self.language_model.embedding(input_ids=tokens, position_ids=None)  # [S, B, H]
+        if pixel_values is not None and pixel_values.numel() and self.vision_model is not None:
+            features = self.vision_model(pixel_values, image_grid_thw).to(emb.dtype)
+            # Scatter in [B, S] order: features are ordered by sample, then position. The data
+            # pipeline has already checked that image tokens and features agree in number.
+            is_image = (tokens == self.image_token_id).unsqueeze(-1)
+            emb = emb.transpose(0, 1).masked_scatter(is_image, features).transpose(0, 1)
+        if self.config.sequence_parallel:
+            emb = tensor_parallel.scatter_to_sequence_parallel_region(emb)
+        return emb.contiguous()
+
+    def forward(self, tokens, position_ids, labels=None, pixel_values=None, image_grid_thw=None,
+                packed_seq_params=None):
+        decoder_input = self.embed(tokens, pixel_values, image_grid_thw) if self.pre_process else None
+        return self.language_model(
+            input_ids=tokens,
+            position_ids=position_ids,
+            attention_mask=None,
+            decoder_input=decoder_input,
+            labels=labels,
+            packed_seq_params=packed_seq_params,
+        )
+

@@ -1,0 +1,56 @@
+"""RMS norms with the exact numerics of the Qwen3.5 reference.
+
+megatron-core's local (non-transformer-engine) norm wraps ``torch.nn.RMSNorm``, which has
+no zero-centred gamma. Qwen3.5 uses two kinds:
+- ``RMSNorm``: ``x / rms(x) * (1 + w)`` computed in fp32 (w starts at 0) when the config's
+  ``layernorm_zero_centered_gamma`` is set, else ``* w`` (w starts at 1). Used for the
+  decoder norms and the attention q/k norms.
+- ``GatedRMSNorm``: the GDN output norm, ``w * norm(x) * silu(gate)`` (w starts at 1).
+Both take megatron's norm constructor arguments so layer specs can build them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, config=None, hidden_size: int = 0, eps: float = 1e-6, zero_centered: bool | None = None):
+        super().__init__()
+        if zero_centered is None:
+            zero_centered = bool(getattr(config, "layernorm_zero_centered_gamma", False))
+        self.zero_centered = zero_centered
+        self.eps = eps
+        dtype = getattr(config, "params_dtype", torch.float32)
+        init = torch.zeros if zero_centered else torch.ones
+        self.weight = nn.Parameter(init(hidden_size, dtype=dtype))
+        if config is not None and getattr(config, "sequence_parallel", False):
+            # megatron all-reduces grads of params marked this way across the TP group.
+            self.weight.sequence_parallel = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        w = self.weight.float()
+        y = y * (1.0 + w) if self.zero_centered else y * w
+        return y.to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """Norm-before-gate RMSNorm of the GDN output (per value head)."""
+
+    def __init__(self, config=None, hidden_size: int = 0, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        dtype = getattr(config, "params_dtype", torch.float32)
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        in_dtype = x.dtype
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = self.weight * y.to(in_dtype)
+        y = y * F.silu(gate.float())
+        return y.to(in_dtype)

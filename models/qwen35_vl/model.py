@@ -1,0 +1,125 @@
+"""Build Qwen3.5-VL (dense or MoE) from a recipe's ``model`` section on megatron-core."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
+
+from models.base import MultimodalModel
+from models.qwen35_vl import attention as attn_mod
+from models.qwen35_vl import gdn as gdn_mod
+from models.qwen35_vl.mrope import axis_of_frequency, inverse_frequencies, mrope_angles
+from models.qwen35_vl.specs import decoder_block_spec
+from models.qwen35_vl.vision import VisionEncoder
+
+
+class Qwen35LanguageModel(GPTModel):
+    """GPTModel whose rotary embedding is Qwen3.5's interleaved MRoPE from 3-D position ids."""
+
+    def __init__(self, *args, rot_dim: int, rope_theta: float, mrope_section: list[int], interleaved: bool, **kw):
+        super().__init__(*args, position_embedding_type="none", **kw)
+        self.register_buffer("mrope_inv_freq", inverse_frequencies(rot_dim, rope_theta), persistent=False)
+        self.register_buffer(
+            "mrope_axis", axis_of_frequency(rot_dim // 2, mrope_section, interleaved), persistent=False
+        )
+
+    def _preprocess(self, input_ids, position_ids, *args, **kwargs):
+        out = list(super()._preprocess(input_ids, position_ids, *args, **kwargs))
+        # position_ids [3, B, S] -> angles [S, B, 1, rot_dim], consumed by MRopeSelfAttention
+        angles = mrope_angles(position_ids, self.mrope_inv_freq, self.mrope_axis)  # [B, S, rot]
+        out[1] = angles.transpose(0, 1).unsqueeze(2)
+        return tuple(out)
+
+
+def transformer_config(cfg, parallel, params_dtype: torch.dtype, deterministic: bool = False) -> TransformerConfig:
+    m = cfg
+    moe = {}
+    if m.num_experts:
+        moe = dict(
+            num_moe_experts=m.num_experts,
+            moe_router_topk=m.moe_router_topk,
+            moe_ffn_hidden_size=m.moe_ffn_hidden_size,
+            moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size or None,
+            moe_shared_expert_gate=bool(m.moe_shared_expert_intermediate_size),
+            moe_router_score_function="softmax",
+            moe_router_pre_softmax=False,  # softmax over the top-k logits == renormalised top-k
+            moe_aux_loss_coeff=m.moe_aux_loss_coeff,
+            moe_router_load_balancing_type="aux_loss",
+            moe_token_dispatcher_type=m.moe_token_dispatcher,
+            moe_grouped_gemm=False,
+            moe_router_dtype="fp32",
+        )
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        kv_channels=m.head_dim,
+        ffn_hidden_size=m.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=m.rms_norm_eps,
+        layernorm_zero_centered_gamma=True,
+        qk_layernorm=True,
+        attention_output_gate=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        init_method_std=m.init_method_std,
+        experimental_attention_variant="gated_delta_net",
+        linear_attention_freq=m.full_attention_interval,
+        linear_conv_kernel_dim=m.linear_conv_kernel_dim,
+        linear_key_head_dim=m.linear_key_head_dim,
+        linear_value_head_dim=m.linear_value_head_dim,
+        linear_num_key_heads=m.linear_num_key_heads,
+        linear_num_value_heads=m.linear_num_value_heads,
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        context_parallel_size=parallel.cp,
+        expert_model_parallel_size=parallel.ep,
+        sequence_parallel=parallel.sequence_parallel and parallel.tp > 1,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        pipeline_dtype=params_dtype,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        calculate_per_token_loss=True,
+        deterministic_mode=deterministic,
+        **moe,
+    )
+
+
+def build(cfg, parallel, params_dtype: torch.dtype, pre_process: bool = True, post_process: bool = True,
+          deterministic: bool = False) -> MultimodalModel:
+    m = cfg
+    tcfg = transformer_config(m, parallel, params_dtype, deterministic)
+    attn_mod.CoreAttention.backend = m.attention_backend
+    gdn_mod.Qwen35GatedDeltaNet.gdn_backend_request = m.gdn_backend
+    rot_dim = int(m.head_dim * m.partial_rotary_factor)
+    language = Qwen35LanguageModel(
+        config=tcfg,
+        transformer_layer_spec=decoder_block_spec(m.num_layers, m.full_attention_interval, m.num_experts or None),
+        vocab_size=m.vocab_size,
+        max_sequence_length=m.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=m.tie_word_embeddings,
+        scatter_embedding_sequence_parallel=False,
+        rot_dim=rot_dim,
+        rope_theta=m.rope_theta,
+        mrope_section=list(m.mrope_section),
+        interleaved=m.mrope_interleaved,
+    )
+    vision = None
+    if pre_process:
+        vision = VisionEncoder(m.vision, out_hidden=m.hidden_size, attn_backend=m.attention_backend)
+        vision.to(device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu", dtype=params_dtype)
+    return MultimodalModel(tcfg, language, vision, m.image_token_id, pre_process, post_process)

@@ -1,0 +1,68 @@
+"""Layer specs for the Qwen3.5 decoder, built from megatron-core modules without transformer-engine.
+
+Layer i is Gated DeltaNet unless (i+1) is a multiple of ``full_attention_interval``, in
+which case it is gated full attention (the released models: linear, linear, linear, full).
+Every layer: zero-centred RMSNorm -> mixer -> residual -> RMSNorm -> MLP or MoE -> residual.
+"""
+
+from __future__ import annotations
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
+from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from models.common.norms import GatedRMSNorm, RMSNorm
+from models.qwen35_vl.attention import CoreAttention, MRopeSelfAttention
+from models.qwen35_vl.gdn import Qwen35GatedDeltaNet
+
+
+def layer_kinds(num_layers: int, full_attention_interval: int) -> list[str]:
+    return ["attention" if (i + 1) % full_attention_interval == 0 else "gdn" for i in range(num_layers)]
+
+
+def _mixer_spec(kind: str) -> ModuleSpec:
+    if kind == "gdn":
+        return ModuleSpec(
+            module=Qwen35GatedDeltaNet,
+            submodules=GatedDeltaNetSubmodules(
+                in_proj=ColumnParallelLinear, out_norm=GatedRMSNorm, out_proj=RowParallelLinear
+            ),
+        )
+    return ModuleSpec(
+        module=MRopeSelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=ColumnParallelLinear,
+            core_attention=CoreAttention,
+            linear_proj=RowParallelLinear,
+            q_layernorm=RMSNorm,
+            k_layernorm=RMSNorm,
+        ),
+    )
+
+
+def layer_spec(kind: str, num_experts: int | None) -> ModuleSpec:
+    mlp = get_mlp_module_spec_for_backend(LocalSpecProvider(), num_experts=num_experts, moe_grouped_gemm=False)
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=RMSNorm,
+            self_attention=_mixer_spec(kind),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=RMSNorm,
+            mlp=mlp,
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def decoder_block_spec(num_layers: int, full_attention_interval: int, num_experts: int | None):
+    specs = [layer_spec(k, num_experts) for k in layer_kinds(num_layers, full_attention_interval)]
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=RMSNorm)

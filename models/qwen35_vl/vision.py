@@ -1,0 +1,139 @@
+"""Qwen3.5 vision encoder: patch embed, learned + 2-D rotary positions, ViT blocks, merger.
+
+Input is what the Qwen image processor emits: ``pixel_values [N_patches, C*tp*p*p]`` with
+patches in spatial-merge-block order, and ``image_grid_thw [N_images, 3]`` (patch grid per
+image, on the host). Output: ``[N_patches / merge^2, out_hidden]``, one row per image
+token of the decoder, in the order the image tokens appear.
+
+The encoder is replicated across tensor-parallel ranks (it is ~2-5% of the FLOPs); every
+image attends only to itself through the shared attention backend (packed, non-causal).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.common.attention import attention
+from models.qwen35_vl.mrope import apply_rotary
+
+
+@dataclass
+class VisionGeometry:
+    """Per-batch tensors derived from image_grid_thw on the host, moved once to the device."""
+
+    cu_seqlens: torch.Tensor  # [frames+1] int32, patches per frame
+    max_seqlen: int
+    rot_pos: torch.Tensor  # [N_patches, 2] (row, col) in merge-block order
+    interp_index: torch.Tensor  # [N_patches, 4] rows of the learned position table
+    interp_weight: torch.Tensor  # [N_patches, 4]
+
+
+def vision_geometry(grid_thw: torch.Tensor, merge: int, grid_side: int, device) -> VisionGeometry:
+    grid = grid_thw.detach().to("cpu", torch.long)
+    rows, cols, frames = [], [], []
+    for t, h, w in grid.tolist():
+        r = torch.arange(h).view(h // merge, merge, 1, 1).expand(h // merge, merge, w // merge, merge)
+        c = torch.arange(w).view(1, 1, w // merge, merge).expand(h // merge, merge, w // merge, merge)
+        # merge-block order: (block_row, block_col, in_row, in_col)
+        r = r.permute(0, 2, 1, 3).reshape(-1).repeat(t)
+        c = c.permute(0, 2, 1, 3).reshape(-1).repeat(t)
+        rows.append(r)
+        cols.append(c)
+        frames += [h * w] * t
+    row, col = torch.cat(rows), torch.cat(cols)
+    heights = torch.cat([torch.full((t * h * w,), h) for t, h, w in grid.tolist()])
+    widths = torch.cat([torch.full((t * h * w,), w) for t, h, w in grid.tolist()])
+    # bilinear resampling of the square learned table, align_corners=True
+    h_idx, h_w = _taps(row, heights, grid_side)
+    w_idx, w_w = _taps(col, widths, grid_side)
+    index = (h_idx[:, :, None] * grid_side + w_idx[:, None, :]).reshape(-1, 4)
+    weight = (h_w[:, :, None] * w_w[:, None, :]).reshape(-1, 4)
+    cu = torch.tensor([0] + frames, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    to = dict(device=device, non_blocking=True)
+    return VisionGeometry(
+        cu_seqlens=cu.to(**to),
+        max_seqlen=max(frames) if frames else 0,
+        rot_pos=torch.stack([row, col], -1).to(**to),
+        interp_index=index.to(**to),
+        interp_weight=weight.to(**to),
+    )
+
+
+def _taps(index: torch.Tensor, size: torch.Tensor, side: int) -> tuple[torch.Tensor, torch.Tensor]:
+    src = index.float() * (side - 1) / torch.clamp(size - 1, min=1).float()
+    lo = src.floor()
+    taps = torch.stack([lo, lo + 1], -1).long().clamp(0, side - 1)
+    frac = (src - lo)[:, None]
+    weights = torch.cat([1 - frac, frac], -1)
+    return taps, weights
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, hidden: int, heads: int, ffn: int, attn_backend: str):
+        super().__init__()
+        self.heads, self.head_dim, self.attn_backend = heads, hidden // heads, attn_backend
+        self.norm1 = nn.LayerNorm(hidden, eps=1e-6)
+        self.norm2 = nn.LayerNorm(hidden, eps=1e-6)
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.fc1 = nn.Linear(hidden, ffn)
+        self.fc2 = nn.Linear(ffn, hidden)
+
+    def forward(self, x: torch.Tensor, angles: torch.Tensor, geo: VisionGeometry) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(self.norm1(x)).view(n, 3, self.heads, self.head_dim).unbind(1)
+        # the reference rotates in fp32 and casts back
+        q = apply_rotary(q.float(), angles).to(v.dtype)
+        k = apply_rotary(k.float(), angles).to(v.dtype)
+        a = attention(
+            q, k, v, causal=False, cu_seqlens=geo.cu_seqlens, max_seqlen=geo.max_seqlen,
+            backend=self.attn_backend,
+        )
+        x = x + self.proj(a.reshape(n, -1))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x)), approximate="tanh"))
+
+
+class VisionEncoder(nn.Module):
+    def __init__(self, cfg, out_hidden: int, attn_backend: str = "auto"):
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.merge = cfg.spatial_merge_size
+        self.grid_side = int(cfg.num_position_embeddings**0.5)
+        if self.grid_side**2 != cfg.num_position_embeddings:
+            raise ValueError("model.vision.num_position_embeddings must be a square number")
+        patch_dim = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2
+        # A conv3d with stride == kernel over one patch is a linear layer on the flat patch.
+        self.patch_embed = nn.Linear(patch_dim, h)
+        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, h)
+        head_dim = h // cfg.num_heads
+        quarter = head_dim // 2
+        self.register_buffer(
+            "inv_freq",
+            1.0 / (cfg.rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float32) / quarter)),
+            persistent=False,
+        )
+        self.blocks = nn.ModuleList(
+            VisionBlock(h, cfg.num_heads, cfg.intermediate_size, attn_backend) for _ in range(cfg.depth)
+        )
+        merged = h * self.merge**2
+        self.merger_norm = nn.LayerNorm(h, eps=1e-6)
+        self.merger_fc1 = nn.Linear(merged, merged)
+        self.merger_fc2 = nn.Linear(merged, out_hidden)
+
+    def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+        geo = vision_geometry(image_grid_thw, self.merge, self.grid_side, pixel_values.device)
+        x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))
+        pos = (self.pos_embed(geo.interp_index) * geo.interp_weight[..., None].to(x.dtype)).sum(1)
+        x = x + pos
+        freqs = geo.rot_pos.float()[..., None] * self.inv_freq  # [N, 2, quarter/2]
+        half = freqs.flatten(1)  # (h freqs, w freqs)
+        angles = torch.cat([half, half], -1)[:, None, :]  # [N, 1, head_dim]
+        for blk in self.blocks:
+            x = blk(x, angles, geo)
+        x = self.merger_norm(x).view(-1, self.merger_fc1.in_features)
+        return self.merger_fc2(F.gelu(self.merger_fc1(x)))

@@ -1,0 +1,332 @@
+"""Typed training recipe: dataclass sections, YAML loading, dotted overrides, validation.
+
+    cfg = load_config("configs/qwen35_vl_proxy.yaml", ["train.iters=50", "model.vision.depth=1"])
+
+Unknown keys and badly typed values raise ``ConfigError`` naming the dotted field;
+``validate(cfg, world_size)`` checks the cross-field rules at start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A recipe problem; the message names the field and the fix."""
+
+
+@dataclass
+class VisionConfig:
+    depth: int = 2
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_heads: int = 4
+    in_channels: int = 3
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    num_position_embeddings: int = 2304
+    rope_theta: float = 10000.0
+
+
+@dataclass
+class ModelConfig:
+    name: str = "qwen35_vl"  # key of models.MODEL_REGISTRY
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    head_dim: int = 32
+    ffn_hidden_size: int = 256
+    vocab_size: int = 1024
+    max_position_embeddings: int = 262144
+    full_attention_interval: int = 4  # layer i is full attention when (i+1) % interval == 0
+    linear_num_key_heads: int = 4
+    linear_num_value_heads: int = 4
+    linear_key_head_dim: int = 32
+    linear_value_head_dim: int = 32
+    linear_conv_kernel_dim: int = 4
+    partial_rotary_factor: float = 0.25
+    rope_theta: float = 10_000_000.0
+    mrope_section: list[int] = field(default_factory=lambda: [2, 1, 1])
+    mrope_interleaved: bool = True
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    init_method_std: float = 0.02
+    # MoE (num_experts == 0 means a dense MLP in every layer)
+    num_experts: int = 0
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int = 64
+    moe_shared_expert_intermediate_size: int = 0
+    moe_aux_loss_coeff: float = 1e-3
+    moe_token_dispatcher: str = "alltoall"  # alltoall | allgather
+    # token ids (from the tokenizer / HF config; the proxy uses a small synthetic vocab)
+    image_token_id: int = 1000
+    vision_start_token_id: int = 1001
+    vision_end_token_id: int = 1002
+    im_start_token_id: int = 1003
+    im_end_token_id: int = 1004
+    eos_token_id: int = 1005
+    pad_token_id: int = 1006
+    # kernels
+    attention_backend: str = "auto"  # auto | sdpa | varlen
+    gdn_backend: str = "auto"  # auto | fla | torch
+    vision: VisionConfig = field(default_factory=VisionConfig)
+
+
+@dataclass
+class DataConfig:
+    name: str = "mock"
+    path: str | None = None
+    seed: int = 1234
+    pack: bool = True  # THD packing; false pads each sample to train.seq_length (BSHD)
+    num_samples: int = 100_000
+    min_images: int = 1
+    max_images: int = 3
+    min_image_side: int = 32  # pixels; multiples of patch_size * spatial_merge_size
+    max_image_side: int = 96
+    min_text_tokens: int = 16
+    max_text_tokens: int = 96
+    num_classes: int = 16  # mock: image classes, each with its own answer
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+
+
+@dataclass
+class TrainConfig:
+    iters: int = 30
+    micro_batch_size: int = 1
+    global_batch_size: int = 4
+    seq_length: int = 512
+    seed: int = 1234
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
+    deterministic: bool = False
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adam"
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    warmup_iters: int = 3
+    decay_iters: int | None = None  # default: train.iters
+    lr_decay_style: str = "cosine"  # cosine | linear | constant
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None
+    interval: int = 0  # 0: only at the end
+    load: str | None = None  # a checkpoint dir, or "latest" to resume from checkpoint.dir
+    save_at_end: bool = True
+    keep_last: int = 0  # 0 keeps all
+
+
+@dataclass
+class LoggingConfig:
+    dir: str = "runs/default"
+    interval: int = 1
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "qwen35-vl"
+    wandb_mode: str = "offline"
+    progress_bar: bool = True
+    peak_tflops: float | None = None  # per device; default from the device name (H100/H200: 989)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        raw = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{p}: top level must be a mapping of sections")
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        _set_dotted(raw, key.strip(), yaml.safe_load(value) if value.strip() else None)
+    return _build(Config, raw, "")
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted}: {part} is not a section")
+    node[parts[-1]] = value
+
+
+def _build(cls: type, raw: Any, where: str):
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where or 'config'} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        bad = ", ".join(f"{where}{k}" for k in unknown)
+        raise ConfigError(f"unknown config key(s): {bad}; valid keys here: {sorted(names)}")
+    kwargs = {}
+    for name, value in raw.items():
+        kwargs[name] = _coerce(hints[name], value, f"{where}{name}")
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, where: str):
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, where + ".")
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, where)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{where} must be a list, got {value!r}")
+        return [_coerce(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where} must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where} must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string, got {value!r}")
+        return value
+    return value
+
+
+# ---------------------------------------------------------------- validation
+
+
+def _require(ok: bool, msg: str) -> None:
+    if not ok:
+        raise ConfigError(msg)
+
+
+def validate(cfg: Config, world_size: int = 1) -> None:
+    """Cross-field checks that need no model; raises ConfigError naming the field and fix."""
+    m, t, p, d, o = cfg.model, cfg.train, cfg.parallel, cfg.data, cfg.optimizer
+    for name, value in [
+        ("train.iters", t.iters), ("train.micro_batch_size", t.micro_batch_size),
+        ("train.global_batch_size", t.global_batch_size), ("train.seq_length", t.seq_length),
+        ("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp), ("parallel.ep", p.ep),
+        ("logging.interval", cfg.logging.interval), ("model.num_layers", m.num_layers),
+        ("model.hidden_size", m.hidden_size), ("model.full_attention_interval", m.full_attention_interval),
+    ]:
+        _require(value >= 1, f"{name} must be >= 1, got {value}")
+    _require(cfg.checkpoint.interval >= 0, "checkpoint.interval must be >= 0 (0 = only at the end)")
+    _require(t.precision in ("auto", "bf16", "fp32"), f"train.precision must be auto|bf16|fp32, got {t.precision!r}")
+    _require(d.name in ("mock",), f"data.name {d.name!r} is not available; choose: mock")
+    _require(o.lr_decay_style in ("cosine", "linear", "constant"),
+             f"optimizer.lr_decay_style must be cosine|linear|constant, got {o.lr_decay_style!r}")
+    _require(o.min_lr <= o.lr, f"optimizer.min_lr ({o.min_lr}) must be <= optimizer.lr ({o.lr})")
+    _require(cfg.checkpoint.load != "latest" or cfg.checkpoint.dir is not None,
+             "checkpoint.load=latest needs checkpoint.dir")
+
+    model_parallel = p.tp * p.pp * p.cp
+    _require(world_size % model_parallel == 0,
+             f"world size {world_size} is not divisible by parallel.tp*pp*cp = {model_parallel}; "
+             "change the parallel layout or the number of processes")
+    dp = world_size // model_parallel
+    _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
+             f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
+             f"train.micro_batch_size ({t.micro_batch_size}) x data-parallel size ({dp})")
+    if d.pack:
+        _require(t.micro_batch_size == 1,
+                 "data.pack=true builds one packed row of train.seq_length tokens per micro-batch; "
+                 "set train.micro_batch_size=1 (raise train.seq_length for more tokens per micro-batch)")
+    _require(p.cp == 1, "parallel.cp > 1 is not implemented yet; set parallel.cp=1")
+    _require(p.pp == 1, "parallel.pp > 1 is not implemented yet for the multimodal model; set parallel.pp=1")
+
+    _require(m.num_attention_heads % m.num_query_groups == 0,
+             f"model.num_attention_heads ({m.num_attention_heads}) must be a multiple of "
+             f"model.num_query_groups ({m.num_query_groups})")
+    _require(m.num_attention_heads % p.tp == 0,
+             f"model.num_attention_heads ({m.num_attention_heads}) must be divisible by parallel.tp ({p.tp})")
+    _require(m.num_query_groups % p.tp == 0 or p.tp % m.num_query_groups == 0,
+             f"model.num_query_groups ({m.num_query_groups}) and parallel.tp ({p.tp}) must divide one another")
+    for name in ("linear_num_key_heads", "linear_num_value_heads"):
+        _require(getattr(m, name) % (p.tp * p.cp) == 0,
+                 f"model.{name} ({getattr(m, name)}) must be divisible by parallel.tp*cp ({p.tp * p.cp})")
+    _require(m.linear_num_value_heads % m.linear_num_key_heads == 0,
+             "model.linear_num_value_heads must be a multiple of model.linear_num_key_heads")
+    rot = int(m.head_dim * m.partial_rotary_factor)
+    _require(rot % 2 == 0 and sum(m.mrope_section) == rot // 2,
+             f"model.mrope_section {m.mrope_section} must sum to head_dim*partial_rotary_factor/2 = {rot // 2}")
+    if m.num_experts:
+        _require(m.num_experts % p.ep == 0,
+                 f"model.num_experts ({m.num_experts}) must be divisible by parallel.ep ({p.ep})")
+        _require(1 <= m.moe_router_topk <= m.num_experts, "model.moe_router_topk must be in [1, num_experts]")
+        _require(m.moe_token_dispatcher in ("alltoall", "allgather"),
+                 "model.moe_token_dispatcher must be alltoall|allgather")
+    else:
+        _require(p.ep == 1, "parallel.ep > 1 needs an MoE model (model.num_experts > 0)")
+    v = m.vision
+    _require(v.hidden_size % v.num_heads == 0, "model.vision.hidden_size must be divisible by model.vision.num_heads")
+    unit = v.patch_size * v.spatial_merge_size
+    _require(d.min_image_side % unit == 0 and d.max_image_side % unit == 0,
+             f"data.min_image_side/max_image_side must be multiples of patch_size*spatial_merge_size = {unit}")
+    _require(1 <= d.min_images <= d.max_images, "data.min_images must be in [1, data.max_images]")
+    special = [m.image_token_id, m.vision_start_token_id, m.vision_end_token_id, m.im_start_token_id,
+               m.im_end_token_id, m.eos_token_id, m.pad_token_id]
+    _require(all(0 <= s < m.vocab_size for s in special),
+             f"special token ids {special} must lie inside model.vocab_size ({m.vocab_size})")
+
+
+def config_to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)

@@ -1,0 +1,192 @@
+"""Device and process-group set-up, plus the few patches megatron-core needs on a CPU.
+
+megatron-core assumes CUDA in a handful of places (``torch.cuda.current_device()`` as
+an allocation device, ``device='cuda'`` in gradient clipping, the CUDA RNG tracker).
+On a machine without a GPU we keep megatron-core unchanged and patch exactly those
+places, once, at start-up. Nothing here runs when a GPU is present.
+
+Patched on CPU only (each one is listed in ``CPU_PATCHES`` so tests can assert them):
+- ``torch.cuda.current_device`` returns ``torch.device("cpu")``: megatron uses it as
+  the device for parameters, rotary buffers and scratch tensors.
+- ``megatron.core.optimizer.optimizer.get_grad_norm_fp32`` /
+  ``clip_grad_by_total_norm_fp32``: the originals allocate on ``'cuda'``.
+- ``megatron.core.tensor_parallel.random`` CUDA RNG tracker: replaced by one that forks
+  the CPU generator, so model-parallel seeding keeps its meaning on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+CPU_PATCHES: list[str] = []
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """What the rest of the program needs to know about where it runs."""
+
+    device: torch.device
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(timeout_minutes: int = 30) -> Runtime:
+    """Start torch.distributed (NCCL on GPU, gloo on CPU); works without torchrun too."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("WORLD_SIZE", str(world_size))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device, backend = torch.device("cuda", local_rank), "nccl"
+    else:
+        apply_cpu_patches()
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+        )
+    return Runtime(device, rank, world_size, local_rank, backend)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def apply_cpu_patches() -> None:
+    """Make megatron-core run on a CPU-only machine. Idempotent; no-op with a GPU."""
+    if torch.cuda.is_available() or CPU_PATCHES:
+        return
+    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    CPU_PATCHES.append("torch.cuda.current_device")
+
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+
+    mcore_optimizer.get_grad_norm_fp32 = _grad_norm_fp32
+    mcore_optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
+    CPU_PATCHES.append("megatron.core.optimizer.optimizer.grad_norm/clip")
+
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    mcore_random._CUDA_RNG_STATE_TRACKER = CpuRngStatesTracker()
+    mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    mcore_random.initialize_rng_tracker = lambda *a, **k: None
+    CPU_PATCHES.append("megatron.core.tensor_parallel.random RNG tracker")
+    log.info("CPU run: patched megatron-core at %s", ", ".join(CPU_PATCHES))
+
+
+def _grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=None):
+    """CPU twin of megatron's get_grad_norm_fp32: same reduction, CPU tensors."""
+    if isinstance(grads_for_norm, torch.Tensor):
+        grads_for_norm = [grads_for_norm]
+    norm_type = float(norm_type)
+    if norm_type == math.inf:
+        total = torch.zeros(1)
+        for g in grads_for_norm:
+            total = torch.maximum(total, g.detach().abs().max().float().reshape(1))
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=grad_stats_parallel_group)
+        return total.item()
+    total = torch.zeros(1)
+    for g in grads_for_norm:
+        total += g.detach().float().norm(norm_type) ** norm_type
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=grad_stats_parallel_group)
+    return total.item() ** (1.0 / norm_type)
+
+
+def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff >= 1.0:
+        return
+    for p in parameters:
+        g = getattr(p, "decoupled_grad", None) if use_decoupled_grad else p.grad
+        if g is not None:
+            g.detach().mul_(coeff)
+
+
+class CpuRngStatesTracker:
+    """Named RNG streams on the CPU generator, with the interface megatron expects.
+
+    megatron forks a separate stream for tensor-parallel regions (dropout, init of
+    partitioned weights) so that ranks differ there and agree elsewhere.
+    """
+
+    def __init__(self) -> None:
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def reset(self) -> None:
+        self.states_, self.seeds_ = {}, set()
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.states_.items()}
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self.states_ = {k: v.clone() for k, v in states.items()}
+
+    def add(self, name: str, seed: int) -> None:
+        if name in self.states_:
+            raise RuntimeError(f"RNG state {name} already exists")
+        saved = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(saved)
+        self.seeds_.add(seed)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng"):
+        if name not in self.states_:
+            raise RuntimeError(f"RNG state {name} is not added")
+        saved = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, torch and megatron's model-parallel RNG streams."""
+    import random
+
+    import numpy as np
+    from megatron.core import tensor_parallel
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    # On CPU the tracker is our CpuRngStatesTracker (see apply_cpu_patches).
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
