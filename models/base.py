@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 from megatron.core import tensor_parallel
+from megatron.core.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 
 
@@ -16,6 +17,7 @@ class MultimodalModel(MegatronModule):
     def __init__(self, config, language_model, vision_model, image_token_id: int, pre_process: bool = True,
                  post_process: bool = True):
         super().__init__(config=config)
+        self.model_type = ModelType.encoder_or_decoder  # read by megatron's schedules
         self.language_model = language_model
         # The vision encoder lives on the first pipeline stage only.
         self.vision_model = vision_model if pre_process else None

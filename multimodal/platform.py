@@ -8,8 +8,10 @@ places, once, at start-up. Nothing here runs when a GPU is present.
 Patched on CPU only (each one is listed in ``CPU_PATCHES`` so tests can assert them):
 - ``torch.cuda.current_device`` returns ``torch.device("cpu")``: megatron uses it as
   the device for parameters, rotary buffers and scratch tensors.
-- ``megatron.core.optimizer.optimizer.get_grad_norm_fp32`` /
-  ``clip_grad_by_total_norm_fp32``: the originals allocate on ``'cuda'``.
+- the modules in ``_MODULES_ALLOCATING_ON_CUDA`` (optimizer, grad clipping, schedules,
+  grad buffers, MoE, dist-checkpointing) see a ``torch`` whose factories turn
+  ``device='cuda'`` into CPU; ``clip_grad_by_total_norm_fp32`` (which asserts CUDA
+  gradients) gets a CPU twin.
 - ``megatron.core.tensor_parallel.random`` CUDA RNG tracker: replaced by one that forks
   the CPU generator, so model-parallel seeding keeps its meaning on CPU.
 """
@@ -19,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
-import math
 import os
 from dataclasses import dataclass
 
@@ -29,6 +30,23 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 CPU_PATCHES: list[str] = []
+
+# megatron modules on the training path that allocate small tensors with device="cuda".
+_MODULES_ALLOCATING_ON_CUDA = (
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.utils",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.transformer.moe.moe_layer",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.utils",
+    "megatron.core.tensor_parallel.data",
+    "megatron.core.dist_checkpointing.exchange_utils",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.utils",
+)
 
 
 @dataclass(frozen=True)
@@ -90,11 +108,16 @@ def apply_cpu_patches() -> None:
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
     CPU_PATCHES.append("torch.cuda.current_device")
 
+    import importlib
+
+    for name in _MODULES_ALLOCATING_ON_CUDA:
+        importlib.import_module(name).torch = _CudaToCpuTorch()
+    CPU_PATCHES.append("'cuda' scalar allocations -> CPU in " + ", ".join(_MODULES_ALLOCATING_ON_CUDA))
     from megatron.core.optimizer import optimizer as mcore_optimizer
 
-    mcore_optimizer.get_grad_norm_fp32 = _grad_norm_fp32
+    # clip_grad_by_total_norm_fp32 asserts grads are torch.cuda.FloatTensor: CPU twin below.
     mcore_optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
-    CPU_PATCHES.append("megatron.core.optimizer.optimizer.grad_norm/clip")
+    CPU_PATCHES.append("megatron.core.optimizer.optimizer.clip_grad_by_total_norm_fp32")
 
     from megatron.core.tensor_parallel import random as mcore_random
 
@@ -105,22 +128,58 @@ def apply_cpu_patches() -> None:
     log.info("CPU run: patched megatron-core at %s", ", ".join(CPU_PATCHES))
 
 
-def _grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=None):
-    """CPU twin of megatron's get_grad_norm_fp32: same reduction, CPU tensors."""
-    if isinstance(grads_for_norm, torch.Tensor):
-        grads_for_norm = [grads_for_norm]
-    norm_type = float(norm_type)
-    if norm_type == math.inf:
-        total = torch.zeros(1)
-        for g in grads_for_norm:
-            total = torch.maximum(total, g.detach().abs().max().float().reshape(1))
-        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=grad_stats_parallel_group)
-        return total.item()
-    total = torch.zeros(1)
-    for g in grads_for_norm:
-        total += g.detach().float().norm(norm_type) ** norm_type
-    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=grad_stats_parallel_group)
-    return total.item() ** (1.0 / norm_type)
+class _CudaToCpuTorch:
+    """Stands in for ``torch`` inside a megatron module: factories asked for 'cuda' get CPU.
+
+    megatron's optimizer and gradient-norm code allocate small scalars with
+    ``device='cuda'``; everything else is forwarded to the real torch module.
+    """
+
+    _FACTORIES = ("tensor", "zeros", "ones", "empty", "full")
+
+    @property
+    def cuda(self):
+        return _CpuStreams()
+
+    def __getattr__(self, name):
+        attr = getattr(torch, name)
+        if name not in self._FACTORIES:
+            return attr
+
+        def factory(*args, **kwargs):
+            dev = kwargs.get("device")
+            if dev is not None and torch.device(dev).type == "cuda":
+                kwargs["device"] = "cpu"
+            return attr(*args, **kwargs)
+
+        return factory
+
+
+class _NoStream:
+    """A CUDA stream/event stand-in: on the CPU every op is already ordered."""
+
+    def wait_stream(self, *_):
+        pass
+
+    def wait_event(self, *_):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+class _CpuStreams:
+    """``torch.cuda`` as seen by the patched megatron modules: streams are no-ops."""
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+    current_stream = staticmethod(lambda *a, **k: _NoStream())
+    Stream = staticmethod(lambda *a, **k: _NoStream())
+    stream = staticmethod(lambda *a, **k: contextlib.nullcontext())
+    current_device = staticmethod(lambda: torch.device("cpu"))
+    synchronize = staticmethod(lambda *a, **k: None)
+    is_available = staticmethod(lambda: False)
 
 
 def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):

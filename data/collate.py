@@ -1,0 +1,130 @@
+"""Turn samples into model micro-batches: THD packing (one row, varlen) or BSHD padding.
+
+Both return the same keys, so the training step does not care which layout it gets:
+``tokens, labels, loss_mask, position_ids [3, B, S], pixel_values, image_grid_thw,
+cu_seqlens, max_seqlen, sample_lengths, num_real_tokens``.
+
+Labels are valid ids everywhere (``-100`` becomes ``pad_id``) because the model computes
+cross-entropy on every position; ``loss_mask`` alone decides what is trained. Image-token
+counts are checked against the grids here, since a mismatch would otherwise surface as an
+opaque shape error deep inside the vision/LM merge.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _check_images(sample: dict, image_token_id: int, merge: int) -> None:
+    grids = sample["image_grid_thw"].reshape(-1, 3)
+    want = int((grids.prod(dim=1) // merge**2).sum())
+    got = int((sample["input_ids"] == image_token_id).sum())
+    if got != want:
+        raise ValueError(
+            f"sample {sample.get('index')}: {got} image tokens but its image_grid_thw "
+            f"{grids.tolist()} needs {want} (sum of t*h*w/{merge}^2)"
+        )
+    rows = int(grids.prod(dim=1).sum())
+    if sample["pixel_values"].shape[0] != rows:
+        raise ValueError(
+            f"sample {sample.get('index')}: pixel_values has {sample['pixel_values'].shape[0]} "
+            f"patch rows but image_grid_thw {grids.tolist()} needs {rows}"
+        )
+
+
+def _images(samples: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    pv = [s["pixel_values"] for s in samples if s["pixel_values"].numel()]
+    grids = [s["image_grid_thw"].reshape(-1, 3) for s in samples]
+    dim = samples[0]["pixel_values"].shape[-1] if samples[0]["pixel_values"].dim() == 2 else 0
+    pixel_values = torch.cat(pv) if pv else torch.zeros(0, dim, dtype=torch.float32)
+    return pixel_values, torch.cat(grids).to(torch.long)
+
+
+def _valid_labels(labels: torch.Tensor, loss_mask: torch.Tensor, pad_id: int):
+    ignore = labels < 0
+    return labels.masked_fill(ignore, pad_id), loss_mask.masked_fill(ignore, 0.0)
+
+
+def _validate(samples: list[dict], seq_length: int, image_token_id: int, merge: int) -> None:
+    if not samples:
+        raise ValueError("cannot collate an empty list of samples")
+    for s in samples:
+        _check_images(s, image_token_id, merge)
+        if len(s["input_ids"]) > seq_length:
+            raise ValueError(
+                f"sample {s.get('index')} has {len(s['input_ids'])} tokens, more than "
+                f"seq_length={seq_length}; raise train.seq_length or shorten the sample"
+            )
+
+
+def pack_thd(samples: list[dict], seq_length: int, pad_id: int, image_token_id: int, merge: int) -> dict:
+    """Concatenate samples into one row of exactly ``seq_length`` tokens (B=1).
+
+    Each sample is one varlen segment (``cu_seqlens``), so attention and the GDN recurrence
+    never cross samples; positions restart at every sample. The tail padding, if any, is a
+    final segment of its own with positions 0..n-1 and loss_mask 0.
+    """
+    _validate(samples, seq_length, image_token_id, merge)
+    lengths = [len(s["input_ids"]) for s in samples]
+    total = sum(lengths)
+    if total > seq_length:
+        raise ValueError(
+            f"samples {[s.get('index') for s in samples]} have {total} tokens together "
+            f"({lengths}), more than seq_length={seq_length}"
+        )
+    n_pad = seq_length - total
+    tokens = torch.cat([s["input_ids"] for s in samples] + [torch.full((n_pad,), pad_id, dtype=torch.long)])
+    labels = torch.cat([s["labels"] for s in samples] + [torch.full((n_pad,), -100, dtype=torch.long)])
+    loss_mask = torch.cat([s["loss_mask"].float() for s in samples] + [torch.zeros(n_pad)])
+    labels, loss_mask = _valid_labels(labels, loss_mask, pad_id)
+    pad_pos = torch.arange(n_pad, dtype=torch.long).expand(3, n_pad)
+    position_ids = torch.cat([s["position_ids"] for s in samples] + [pad_pos], dim=1)
+    segments = lengths + ([n_pad] if n_pad else [])
+    cu_seqlens = torch.zeros(len(segments) + 1, dtype=torch.int32)
+    cu_seqlens[1:] = torch.cumsum(torch.tensor(segments), 0)
+    pixel_values, grids = _images(samples)
+    return {
+        "tokens": tokens[None],
+        "labels": labels[None],
+        "loss_mask": loss_mask[None],
+        "position_ids": position_ids[:, None],
+        "pixel_values": pixel_values,
+        "image_grid_thw": grids,  # stays on CPU: the vision tower reads it as Python ints
+        "cu_seqlens": cu_seqlens,
+        "max_seqlen": max(segments),
+        "sample_lengths": lengths,
+        "num_real_tokens": total,
+    }
+
+
+def pad_bshd(samples: list[dict], seq_length: int, pad_id: int, image_token_id: int, merge: int) -> dict:
+    """One row per sample, right-padded to ``seq_length`` (padding: positions 0..n-1, loss_mask 0)."""
+    _validate(samples, seq_length, image_token_id, merge)
+    b = len(samples)
+    tokens = torch.full((b, seq_length), pad_id, dtype=torch.long)
+    labels = torch.full((b, seq_length), -100, dtype=torch.long)
+    loss_mask = torch.zeros(b, seq_length, dtype=torch.float32)
+    position_ids = torch.arange(seq_length, dtype=torch.long).repeat(3, b, 1)
+    lengths = []
+    for i, s in enumerate(samples):
+        n = len(s["input_ids"])
+        lengths.append(n)
+        tokens[i, :n] = s["input_ids"]
+        labels[i, :n] = s["labels"]
+        loss_mask[i, :n] = s["loss_mask"].float()
+        position_ids[:, i, :n] = s["position_ids"]
+        position_ids[:, i, n:] = torch.arange(seq_length - n)
+    labels, loss_mask = _valid_labels(labels, loss_mask, pad_id)
+    pixel_values, grids = _images(samples)
+    return {
+        "tokens": tokens,
+        "labels": labels,
+        "loss_mask": loss_mask,
+        "position_ids": position_ids,
+        "pixel_values": pixel_values,
+        "image_grid_thw": grids,
+        "cu_seqlens": None,
+        "max_seqlen": None,
+        "sample_lengths": lengths,
+        "num_real_tokens": sum(lengths),
+    }

@@ -1,0 +1,81 @@
+"""Infinite, resumable, data-parallel micro-batch iterator.
+
+Rank r of a dp group reads global sample indices r, r+dp, r+2dp, ... (wrapping around the
+dataset), so ranks never see the same sample and no sampler state needs to be shared. The
+only state is the global index of the next unconsumed sample; since samples are pure
+functions of their index and packing is greedy in shard order, restoring that one number
+reproduces exactly the batches an uninterrupted run would have produced.
+"""
+
+from __future__ import annotations
+
+from data.collate import pack_thd, pad_bshd
+
+
+def build_dataset(model_cfg, data_cfg, seq_length: int):
+    """Dataset for ``data.name``; only the synthetic "mock" set exists so far."""
+    if data_cfg.name == "mock":
+        from data.mock import MockDataset
+
+        return MockDataset(model_cfg, data_cfg, seq_length)
+    raise ValueError(f"data.name {data_cfg.name!r} is not available; choose: mock")
+
+
+class MicroBatchIterator:
+    """Yields collated micro-batches forever.
+
+    pack=True: one THD row per micro-batch, greedily filled with the rank's next samples while
+    they fit in ``seq_length``; a sample that does not fit opens the next row (it is not
+    consumed before). pack=False: ``micro_batch_size`` samples per BSHD micro-batch.
+    ``start_index`` is where the whole dp group starts in the global sample order (rank r
+    begins at start_index + r); to resume, use ``load_state_dict`` instead.
+    """
+
+    def __init__(self, dataset, seq_length: int, pad_id: int, image_token_id: int, merge: int,
+                 pack: bool, micro_batch_size: int, dp_rank: int, dp_size: int, start_index: int = 0):
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} must be in [0, dp_size={dp_size})")
+        if len(dataset) == 0:
+            raise ValueError("the dataset is empty")
+        if pack and micro_batch_size != 1:
+            raise ValueError("pack=True builds one packed row per micro-batch; use micro_batch_size=1")
+        self.dataset, self.seq_length, self.pad_id = dataset, seq_length, pad_id
+        self.image_token_id, self.merge = image_token_id, merge
+        self.pack, self.micro_batch_size = pack, micro_batch_size
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self._next = start_index + dp_rank  # unwrapped global index of the next unconsumed sample
+        self._peeked: tuple[int, dict] | None = None  # cache of the sample at self._next
+
+    def __iter__(self):
+        return self
+
+    def _peek(self) -> dict:
+        if self._peeked is None or self._peeked[0] != self._next:
+            self._peeked = (self._next, self.dataset[self._next % len(self.dataset)])
+        return self._peeked[1]
+
+    def _take(self) -> dict:
+        sample = self._peek()
+        self._next += self.dp_size
+        return sample
+
+    def __next__(self) -> dict:
+        args = (self.seq_length, self.pad_id, self.image_token_id, self.merge)
+        if not self.pack:
+            return pad_bshd([self._take() for _ in range(self.micro_batch_size)], *args)
+        row = [self._take()]  # always at least one sample; pack_thd raises if it is too long
+        used = len(row[0]["input_ids"])
+        while used + len(self._peek()["input_ids"]) <= self.seq_length:
+            used += len(self._peek()["input_ids"])
+            row.append(self._take())
+        return pack_thd(row, *args)
+
+    def state_dict(self) -> dict:
+        """The global (unwrapped, so epochs are visible) index of this rank's next sample."""
+        return {"next_index": self._next}
+
+    def load_state_dict(self, sd: dict) -> None:
+        nxt = int(sd["next_index"])
+        if nxt < 0:
+            raise ValueError(f"data loader state next_index={nxt} must be >= 0")
+        self._next, self._peeked = nxt, None

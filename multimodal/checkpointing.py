@@ -1,0 +1,133 @@
+"""Checkpoints: megatron-core dist-checkpointing for model + optimizer, plus trainer state.
+
+Layout of ``checkpoint.dir``::
+
+    iter_0000020/                  model and optimizer (sharded, layout independent)
+        trainer_state.json         iteration, LR scheduler, written last by rank 0
+        rank_state/rank00000.pt    per-rank RNG streams and data-iterator position
+    latest                         name of the newest complete checkpoint
+
+Atomicity: everything is written into ``iter_XXXXXXX.tmp``; after every rank finished,
+rank 0 renames it and then replaces ``latest`` (write + rename). A crash mid-save leaves a
+``.tmp`` directory that is never loaded, and the previous checkpoint stays intact.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, tensor_parallel
+
+log = logging.getLogger(__name__)
+
+
+def _iter_name(iteration: int) -> str:
+    return f"iter_{iteration:07d}"
+
+
+def _rng_state() -> dict:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _sharded_state(model, optimizer, is_loading: bool) -> dict:
+    model_sd = model.sharded_state_dict()
+    return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+
+
+def save(ckpt_dir: str, iteration: int, model, optimizer, scheduler, data_state: dict, keep_last: int = 0) -> Path:
+    root = Path(ckpt_dir)
+    final = root / _iter_name(iteration)
+    tmp = root / (final.name + ".tmp")
+    rank = dist.get_rank()
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        (tmp / "rank_state").mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(tmp))
+    torch.save({"rng": _rng_state(), "data": data_state}, tmp / "rank_state" / f"rank{rank:05d}.pt")
+    dist.barrier()
+    if rank == 0:
+        trainer = {"iteration": iteration, "scheduler": scheduler.state_dict(), "world_size": dist.get_world_size()}
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        latest_tmp = root / "latest.tmp"
+        latest_tmp.write_text(final.name)
+        os.replace(latest_tmp, root / "latest")
+        _prune(root, keep_last)
+        log.info("saved checkpoint %s", final)
+    dist.barrier()
+    return final
+
+
+def _prune(root: Path, keep_last: int) -> None:
+    if keep_last <= 0:
+        return
+    done = sorted(p for p in root.glob("iter_*") if p.is_dir() and not p.name.endswith(".tmp"))
+    for old in done[:-keep_last]:
+        shutil.rmtree(old)
+
+
+def resolve(load: str, ckpt_dir: str | None) -> Path | None:
+    """Path of the checkpoint to load, or None when 'latest' finds nothing (fresh start)."""
+    if load == "latest":
+        marker = Path(ckpt_dir) / "latest"
+        if not marker.is_file():
+            return None
+        path = Path(ckpt_dir) / marker.read_text().strip()
+    else:
+        path = Path(load)
+        if (path / "latest").is_file():  # a checkpoint.dir was given: take its newest
+            path = path / (path / "latest").read_text().strip()
+    if not (path / "trainer_state.json").is_file():
+        raise FileNotFoundError(
+            f"{path} is not a complete checkpoint (no trainer_state.json); "
+            "point checkpoint.load at an iter_XXXXXXX directory or a checkpoint.dir with a 'latest' file"
+        )
+    return path
+
+
+def load(path: Path, model, optimizer, scheduler) -> tuple[int, dict | None]:
+    """Restore model, optimizer, scheduler and this rank's RNG; returns (iteration, data_state)."""
+    trainer = json.loads((path / "trainer_state.json").read_text())
+    state = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(path))
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(trainer["scheduler"])
+    rank_file = path / "rank_state" / f"rank{dist.get_rank():05d}.pt"
+    data_state = None
+    if rank_file.is_file() and trainer.get("world_size") == dist.get_world_size():
+        rank_state = torch.load(rank_file, weights_only=False)
+        _set_rng_state(rank_state["rng"])
+        data_state = rank_state["data"]
+    else:
+        log.warning("checkpoint was written by another world size: RNG and data position restart per rank")
+    log.info("loaded checkpoint %s (iteration %d)", path, trainer["iteration"])
+    return trainer["iteration"], data_state

@@ -1,0 +1,225 @@
+"""The training loop: megatron-core DDP + optimizer + forward-backward schedule, our batches.
+
+One step = ``num_microbatches`` micro-batches through megatron's forward_backward_func,
+then one optimizer step. Loss, token counts and timings are accumulated on the device and
+read back only every ``logging.interval`` steps, so the hot path has no host syncs of ours.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from data.loader import MicroBatchIterator, build_dataset
+from models import get_model_builder
+from multimodal import checkpointing
+from multimodal.config import Config, validate
+from multimodal.flops import device_peak_tflops, training_flops
+from multimodal.forward_step import ForwardStep
+from multimodal.metrics import MetricsSink
+from multimodal.platform import Runtime, init_distributed, seed_everything
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    losses: dict[int, float] = field(default_factory=dict)
+    last_iteration: int = 0
+
+
+def resolve_dtype(precision: str, rt: Runtime) -> torch.dtype:
+    if precision == "auto":
+        return torch.bfloat16 if rt.is_cuda else torch.float32
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+
+
+def build_model_and_optimizer(cfg: Config, rt: Runtime, dtype: torch.dtype):
+    builder = get_model_builder(cfg.model.name)
+    model = builder(cfg.model, cfg.parallel, dtype, pre_process=True, post_process=True,
+                    deterministic=cfg.train.deterministic)
+    model.to(rt.device)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+    )
+    ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    o = cfg.optimizer
+    opt_cfg = McoreOptimizerConfig(
+        optimizer=o.name,
+        lr=o.lr,
+        min_lr=o.min_lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_eps=o.adam_eps,
+        clip_grad=o.clip_grad,
+        bf16=dtype == torch.bfloat16,
+        params_dtype=dtype,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(opt_cfg, [ddp])
+    decay = o.decay_iters or cfg.train.iters
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_warmup_steps=min(o.warmup_iters, decay - 1) if decay > 1 else 0,
+        lr_decay_steps=max(decay, 1),
+        lr_decay_style=o.lr_decay_style,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=max(decay, 1),
+        wd_incr_style="constant",
+    )
+    # megatron's schedule calls these: DP grad reduction once per step, scaled once by the
+    # total number of supervised tokens (calculate_per_token_loss).
+    tcfg = model.config
+    tcfg.no_sync_func = ddp.no_sync
+    tcfg.finalize_model_grads_func = finalize_model_grads
+    tcfg.grad_scale_func = optimizer.scale_loss
+    return model, ddp, optimizer, scheduler
+
+
+def train(cfg: Config) -> TrainResult:
+    rt = init_distributed()
+    validate(cfg, rt.world_size)
+    p, t = cfg.parallel, cfg.train
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=p.tp,
+        pipeline_model_parallel_size=p.pp,
+        context_parallel_size=p.cp,
+        expert_model_parallel_size=p.ep,
+    )
+    try:
+        return _train(cfg, rt)
+    finally:
+        ps.destroy_model_parallel()
+
+
+def _train(cfg: Config, rt: Runtime) -> TrainResult:
+    t, m = cfg.train, cfg.model
+    seed_everything(t.seed)
+    dtype = resolve_dtype(t.precision, rt)
+    model, ddp, optimizer, scheduler = build_model_and_optimizer(cfg, rt, dtype)
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    num_microbatches = t.global_batch_size // (t.micro_batch_size * dp_size)
+    if rt.is_main:
+        n_params = sum(q.numel() for q in model.parameters())
+        log.info("model %s: %.2fM parameters per rank, dtype %s, device %s, dp=%d, micro-batches/step=%d",
+                 m.name, n_params / 1e6, dtype, rt.device, dp_size, num_microbatches)
+
+    dataset = build_dataset(m, cfg.data, t.seq_length)
+    loader = MicroBatchIterator(
+        dataset, t.seq_length, m.pad_token_id, m.image_token_id, m.vision.spatial_merge_size,
+        cfg.data.pack, t.micro_batch_size, dp_rank, dp_size,
+    )
+
+    start = 0
+    ck = cfg.checkpoint
+    if ck.load:
+        path = checkpointing.resolve(ck.load, ck.dir)
+        if path is not None:
+            start, data_state = checkpointing.load(path, ddp, optimizer, scheduler)
+            if data_state is not None:
+                loader.load_state_dict(data_state)
+
+    sink = MetricsSink(cfg.logging, rt.is_main, t.iters, start, cfg.to_dict())
+    fwd_bwd = get_forward_backward_func()
+    peak = device_peak_tflops(cfg.logging.peak_tflops)
+    result = TrainResult(last_iteration=start)
+    report = torch.zeros(2, device=rt.device)  # [loss_sum, tokens] since last log
+    window = _Window()
+    if rt.is_cuda:
+        torch.cuda.reset_peak_memory_stats()
+
+    for it in range(start + 1, t.iters + 1):
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        step = ForwardStep(rt.device, dtype)
+        outputs = fwd_bwd(
+            forward_step_func=step,
+            data_iterator=loader,
+            model=[ddp],
+            num_microbatches=num_microbatches,
+            seq_length=t.seq_length,
+            micro_batch_size=t.micro_batch_size,
+            forward_only=False,
+        )
+        _, grad_norm, _ = optimizer.step()
+        scheduler.step(increment=1)
+        for out in outputs:
+            report += out["lm loss"]
+        window.add(step.batches, m)
+        sink.advance()
+
+        if it % cfg.logging.interval == 0 or it == t.iters:
+            metrics = _log_metrics(it, report, grad_norm, scheduler, window, peak, rt)
+            result.losses[it] = metrics["loss"]
+            sink.log(it, metrics)
+            report.zero_()
+            window = _Window()
+        if ck.dir and ((ck.interval and it % ck.interval == 0) or (it == t.iters and ck.save_at_end)):
+            checkpointing.save(ck.dir, it, ddp, optimizer, scheduler, loader.state_dict(), ck.keep_last)
+        result.last_iteration = it
+    sink.close()
+    return result
+
+
+class _Window:
+    """Host-side counts (real tokens, FLOPs) over the steps since the last log line."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.steps = 0
+        self.tokens = 0
+        self.flops = 0.0
+
+    def add(self, batches: list[dict], model_cfg) -> None:
+        self.steps += 1
+        for b in batches:
+            self.tokens += b["num_real_tokens"]
+            grids = [tuple(g) for g in b["image_grid_thw"].tolist()]
+            self.flops += training_flops(model_cfg, b["sample_lengths"], grids)
+
+
+def _log_metrics(it, report, grad_norm, scheduler, window: _Window, peak, rt: Runtime) -> dict:
+    dp_group = ps.get_data_parallel_group()
+    totals = torch.tensor([report[0].item(), report[1].item(), window.tokens, window.flops], dtype=torch.float64)
+    dist.all_reduce(totals, group=dp_group)  # loss and tokens of the whole data-parallel batch
+    if rt.is_cuda:
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - window.start
+    world = dist.get_world_size()
+    tflops_per_gpu = totals[3].item() / elapsed / world / 1e12
+    mem = torch.cuda.max_memory_allocated() / 2**30 if rt.is_cuda else _cpu_peak_gib()
+    return {
+        "step": it,
+        "loss": totals[0].item() / max(totals[1].item(), 1.0),
+        "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+        "lr": scheduler.get_lr(scheduler.optimizer.param_groups[0]),
+        "tokens_per_s": totals[2].item() / elapsed,
+        "tflops_per_gpu": tflops_per_gpu,
+        "mfu": tflops_per_gpu / peak if peak else None,
+        "mem_peak_gib": mem,
+        "step_time_s": elapsed / max(window.steps, 1),
+        "supervised_tokens": int(totals[1].item()),
+    }
+
+
+def _cpu_peak_gib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux

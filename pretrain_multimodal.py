@@ -1,0 +1,45 @@
+"""Train a vision-language model from a YAML recipe.
+
+    python pretrain_multimodal.py --config configs/qwen35_vl_proxy.yaml [section.key=value ...]
+    torchrun --nproc-per-node 8 pretrain_multimodal.py --config configs/qwen35_vl_2b.yaml
+    python pretrain_multimodal.py --config configs/qwen35_vl_proxy.yaml --print-config
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from multimodal.config import ConfigError, config_to_yaml, load_config, validate
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="YAML recipe under configs/")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.iters=100 parallel.tp=2")
+    args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        cfg = load_config(args.config, args.overrides)
+        validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(config_to_yaml(cfg), end="")
+        return 0
+    from multimodal.training import train
+
+    train(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,258 @@
+"""Data pipeline: HF patch layout, mock samples, loss mask, THD/BSHD collation, resumable dp loader."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from data.collate import pack_thd, pad_bshd
+from data.image import patchify
+from data.loader import MicroBatchIterator, build_dataset
+from data.mock import MockDataset
+from models.qwen35_vl.mrope import mrope_position_ids
+from multimodal.config import DataConfig, ModelConfig
+
+M = ModelConfig()
+D = DataConfig()
+S = 512
+MERGE = M.vision.spatial_merge_size
+
+
+@pytest.fixture(scope="module")
+def ds():
+    return MockDataset(M, D, S)
+
+
+def _collate_args(seq_length=S):
+    return dict(seq_length=seq_length, pad_id=M.pad_token_id, image_token_id=M.image_token_id, merge=MERGE)
+
+
+# ---------------------------------------------------------------- patchify
+
+
+def test_patchify_matches_hf_layout():
+    p, tp, m = 16, 2, 2
+    img = torch.rand(3, 64, 96, generator=torch.Generator().manual_seed(0))
+    pv, thw = patchify(img, p, tp, m)
+    gh, gw = 4, 6
+    assert thw.tolist() == [1, gh, gw] and thw.dtype == torch.long
+    assert pv.shape == (gh * gw, 3 * tp * p * p) and pv.dtype == torch.float32
+    norm = (img - 0.5) / 0.5
+
+    def reference(r, c):  # patch at patch-row r, patch-col c: features ordered (C, t, y, x)
+        block = norm[:, r * p : (r + 1) * p, c * p : (c + 1) * p]
+        return block[:, None].expand(3, tp, p, p).reshape(-1)
+
+    # HF order: merge windows row-major, then the m x m patches inside a window row-major.
+    # Patch (r=1, c=2): window (0, 1), inside (1, 0) -> row ((0*3 + 1)*2 + 1)*2 + 0 = 6.
+    assert torch.equal(pv[6], reference(1, 2))
+    # Patch (r=3, c=5): window (1, 2), inside (1, 1) -> row ((1*3 + 2)*2 + 1)*2 + 1 = 23.
+    assert torch.equal(pv[23], reference(3, 5))
+    for r in range(gh):
+        for c in range(gw):
+            row = (((r // m) * (gw // m) + c // m) * m + r % m) * m + c % m
+            assert torch.equal(pv[row], reference(r, c)), (r, c)
+
+
+def test_patchify_rejects_bad_size():
+    with pytest.raises(ValueError, match="40x64"):
+        patchify(torch.rand(3, 40, 64), 16, 2, 2)
+
+
+# ---------------------------------------------------------------- mock dataset
+
+
+def test_mock_is_deterministic(ds):
+    a, b = ds[7], MockDataset(M, D, S)[7]
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k]
+    other = MockDataset(M, dataclasses.replace(D, seed=D.seed + 1), S)[7]
+    assert not torch.equal(a["input_ids"], other["input_ids"]) or not torch.equal(a["pixel_values"], other["pixel_values"])
+
+
+def test_mock_sample_structure(ds):
+    for i in range(20):
+        s = ds[i]
+        ids, n = s["input_ids"], len(s["input_ids"])
+        assert n <= S and s["index"] == i
+        assert s["labels"].shape == s["loss_mask"].shape == (n,) and s["position_ids"].shape == (3, n)
+        assert s["loss_mask"].dtype == torch.float32
+        assert torch.equal(s["labels"][:-1], ids[1:]) and s["labels"][-1] == -100
+        grids = s["image_grid_thw"]
+        assert D.min_images <= len(grids) <= D.max_images
+        assert int((ids == M.image_token_id).sum()) == int((grids.prod(1) // MERGE**2).sum())
+        assert s["pixel_values"].shape == (int(grids.prod(1).sum()), 3 * 2 * 16 * 16)
+        assert torch.equal(s["position_ids"], mrope_position_ids(ids, grids, M.image_token_id, MERGE))
+        assert ids[0] == M.im_start_token_id and ids[-1] == M.im_end_token_id
+        text = ids[(ids < M.image_token_id)]
+        assert (text >= 0).all()
+
+
+def test_loss_mask_is_answer_plus_closing_im_end(ds):
+    for i in range(10):
+        s = ds[i]
+        ids, n = s["input_ids"].tolist(), len(s["input_ids"])
+        a = max(j for j, t in enumerate(ids) if t == M.im_start_token_id)  # assistant im_start
+        assert ids[a + 1] == ds.assistant_id
+        # labels at t are ids[t+1]: the answer starts at ids[a+2], so the mask starts at a+1,
+        # and ends at n-2, whose label is the closing im_end (ids[n-1]).
+        expected = torch.zeros(n)
+        expected[a + 1 : n - 1] = 1
+        assert torch.equal(s["loss_mask"], expected), i
+        masked = s["labels"][s["loss_mask"].bool()].tolist()
+        assert masked[-1] == M.im_end_token_id
+        # the answer is the class spans of the images, in order
+        rest, k = masked[:-1], 0
+        while rest:
+            match = [ans for ans in ds.answers if rest[: len(ans)] == ans]
+            assert match, f"sample {i}: answer is not a sequence of class spans"
+            rest, k = rest[len(match[0]) :], k + 1
+        assert k == len(s["image_grid_thw"])
+
+
+def test_sample_that_cannot_fit_raises():
+    with pytest.raises(ValueError, match=r"mock sample 0: .*train\.seq_length=10"):
+        MockDataset(M, D, 10)[0]
+    # text shrinks to fit when the images fit
+    small = MockDataset(M, dataclasses.replace(D, min_text_tokens=90, max_text_tokens=96), 64)
+    assert all(len(small[i]["input_ids"]) <= 64 for i in range(10))
+
+
+# ---------------------------------------------------------------- collation
+
+
+def test_pack_thd(ds):
+    samples = [ds[i] for i in range(3)]
+    lens = [len(s["input_ids"]) for s in samples]
+    seq = sum(lens) + 10
+    b = pack_thd(samples, **_collate_args(seq))
+    assert b["tokens"].shape == b["labels"].shape == b["loss_mask"].shape == (1, seq)
+    assert b["position_ids"].shape == (3, 1, seq)
+    cu = [0, lens[0], lens[0] + lens[1], sum(lens), seq]
+    assert b["cu_seqlens"].dtype == torch.int32 and b["cu_seqlens"].tolist() == cu
+    assert b["max_seqlen"] == max(lens + [10]) and b["sample_lengths"] == lens and b["num_real_tokens"] == sum(lens)
+    pad = torch.full((10,), M.pad_token_id)
+    assert torch.equal(b["tokens"][0], torch.cat([s["input_ids"] for s in samples] + [pad]))
+    for i, s in enumerate(samples):  # positions restart at every sample
+        assert torch.equal(b["position_ids"][:, 0, cu[i] : cu[i + 1]], s["position_ids"])
+        assert b["position_ids"][0, 0, cu[i]] == 0
+        assert torch.equal(b["loss_mask"][0, cu[i] : cu[i + 1]], s["loss_mask"])
+    assert torch.equal(b["position_ids"][:, 0, sum(lens) :], torch.arange(10).expand(3, 10))
+    assert (b["loss_mask"][0, sum(lens) :] == 0).all()
+    assert (b["labels"] >= 0).all() and (b["labels"] < M.vocab_size).all()
+    assert b["labels"][0, lens[0] - 1] == M.pad_token_id and b["loss_mask"][0, lens[0] - 1] == 0
+    assert torch.equal(b["pixel_values"], torch.cat([s["pixel_values"] for s in samples]))
+    assert torch.equal(b["image_grid_thw"], torch.cat([s["image_grid_thw"] for s in samples]))
+    exact = pack_thd(samples, **_collate_args(sum(lens)))  # no padding -> no extra segment
+    assert exact["cu_seqlens"].tolist() == cu[:-1]
+
+
+def test_pad_bshd(ds):
+    samples = [ds[i] for i in range(3)]
+    b = pad_bshd(samples, **_collate_args())
+    assert b["tokens"].shape == b["labels"].shape == b["loss_mask"].shape == (3, S)
+    assert b["position_ids"].shape == (3, 3, S)
+    assert b["cu_seqlens"] is None and b["max_seqlen"] is None
+    for i, s in enumerate(samples):
+        n = len(s["input_ids"])
+        assert torch.equal(b["tokens"][i, :n], s["input_ids"]) and (b["tokens"][i, n:] == M.pad_token_id).all()
+        assert (b["loss_mask"][i, n:] == 0).all()
+        assert torch.equal(b["position_ids"][:, i, :n], s["position_ids"])
+    assert (b["labels"] >= 0).all()
+
+
+def test_collate_errors(ds):
+    s = ds[0]
+    n = len(s["input_ids"])
+    for fn in (pack_thd, pad_bshd):
+        with pytest.raises(ValueError, match=f"sample 0 has {n} tokens, more than seq_length={n - 1}"):
+            fn([s], **_collate_args(n - 1))
+    with pytest.raises(ValueError, match="more than seq_length"):
+        pack_thd([ds[0], ds[1]], **_collate_args(n + 1))
+    bad = dict(s, input_ids=s["input_ids"].clone())
+    bad["input_ids"][int((bad["input_ids"] == M.image_token_id).nonzero()[0])] = 5
+    for fn in (pack_thd, pad_bshd):
+        with pytest.raises(ValueError, match="sample 0: .* image tokens"):
+            fn([bad], **_collate_args())
+
+
+# ---------------------------------------------------------------- loader
+
+
+class _Recording(torch.utils.data.Dataset):
+    """Wraps a dataset and records the indices read."""
+
+    def __init__(self, inner):
+        self.inner, self.reads = inner, []
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, i):
+        self.reads.append(i)
+        return self.inner[i]
+
+
+def _iterator(dataset, pack, rank=0, dp=1, mbs=1):
+    return MicroBatchIterator(dataset, S, M.pad_token_id, M.image_token_id, MERGE, pack=pack,
+                              micro_batch_size=mbs, dp_rank=rank, dp_size=dp)
+
+
+def _same(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k], k
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_loader_resume(pack):
+    small = MockDataset(M, dataclasses.replace(D, num_samples=13), S)  # small: wraps around
+    mbs = 1 if pack else 2
+    it = _iterator(small, pack, rank=1, dp=2, mbs=mbs)
+    for _ in range(5):
+        next(it)
+    state = it.state_dict()
+    assert state["next_index"] % 2 == 1 and (not pack or state["next_index"] > 13)  # wrapped around
+    continued = [next(it) for _ in range(4)]
+    resumed = _iterator(small, pack, rank=1, dp=2, mbs=mbs)
+    resumed.load_state_dict(state)
+    for a, b in zip(continued, [next(resumed) for _ in range(4)]):
+        _same(a, b)
+
+
+def test_loader_packs_greedily_in_shard_order(ds):
+    it = _iterator(ds, pack=True, rank=0, dp=2)
+    batches = [next(it) for _ in range(4)]
+    lengths = [n for b in batches for n in b["sample_lengths"]]
+    shard = [len(ds[i]["input_ids"]) for i in range(0, 2 * len(lengths), 2)]
+    assert lengths == shard  # nothing skipped, nothing repeated
+    for b, nxt in zip(batches, batches[1:]):  # greedy: the next row's first sample did not fit
+        assert b["num_real_tokens"] + nxt["sample_lengths"][0] > S
+    assert it.state_dict() == {"next_index": 2 * len(lengths)}
+
+
+def test_dp_ranks_read_disjoint_samples(ds):
+    r0, r1 = _Recording(ds), _Recording(ds)
+    it0, it1 = _iterator(r0, True, rank=0, dp=2), _iterator(r1, True, rank=1, dp=2)
+    for _ in range(3):
+        next(it0), next(it1)
+    assert r0.reads and r1.reads and not set(r0.reads) & set(r1.reads)
+    assert all(i % 2 == 0 for i in r0.reads) and all(i % 2 == 1 for i in r1.reads)
+
+
+def test_build_dataset():
+    assert isinstance(build_dataset(M, D, S), MockDataset)
+    with pytest.raises(ValueError, match="'webdataset'"):
+        build_dataset(M, dataclasses.replace(D, name="webdataset"), S)
+
+
+def test_image_class_is_visible(ds):
+    """The learnable signal: an image's class is recoverable from its pixels (mean colour)."""
+    rng = np.random.default_rng(0)
+    for c in range(D.num_classes):
+        mean = ds._image(rng, c, 32, 64).mean(dim=(1, 2)).numpy()
+        assert int(np.argmin(np.linalg.norm(ds.colours - mean, axis=1))) == c
