@@ -26,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO if rank == 0 else logging.WARNING,
         format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s",
     )
+    # megatron-core logs every parameter name and its full optimizer config at INFO.
+    logging.getLogger("megatron").setLevel(logging.WARNING)
     try:
         cfg = load_config(args.config, args.overrides)
         validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))

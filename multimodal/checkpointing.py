@@ -67,9 +67,10 @@ def save(ckpt_dir: str, iteration: int, model, optimizer, scheduler, data_state:
     if rank == 0:
         if tmp.exists():
             shutil.rmtree(tmp)
-        (tmp / "rank_state").mkdir(parents=True)
+        tmp.mkdir(parents=True)
     dist.barrier()
     dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(tmp))
+    (tmp / "rank_state").mkdir(exist_ok=True)
     torch.save({"rng": _rng_state(), "data": data_state}, tmp / "rank_state" / f"rank{rank:05d}.pt")
     dist.barrier()
     if rank == 0:

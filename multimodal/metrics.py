@@ -53,7 +53,7 @@ class MetricsSink:
             self.wandb.log({k: v for k, v in row.items() if v is not None}, step=step)
         line = (
             f"step {step:6d} | loss {row['loss']:.4f} | grad_norm {row['grad_norm']:.3f} | lr {row['lr']:.2e} | "
-            f"{row['tokens_per_s']:.0f} tok/s | {row['tflops_per_gpu']:.2f} TFLOP/s/GPU | "
+            f"{row['tokens_per_s']:.0f} tok/s | {row['tflops_per_gpu']:.3g} TFLOP/s/GPU | "
             f"mfu {_fmt(row['mfu'])} | peak mem {row['mem_peak_gib']:.2f} GiB"
         )
         if self.bar is not None:

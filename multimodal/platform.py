@@ -45,6 +45,7 @@ _MODULES_ALLOCATING_ON_CUDA = (
     "megatron.core.tensor_parallel.data",
     "megatron.core.dist_checkpointing.exchange_utils",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
     "megatron.core.utils",
 )
 

@@ -132,7 +132,7 @@ def _train(cfg: Config, rt: Runtime) -> TrainResult:
     if ck.load:
         path = checkpointing.resolve(ck.load, ck.dir)
         if path is not None:
-            start, data_state = checkpointing.load(path, ddp, optimizer, scheduler)
+            start, data_state = checkpointing.load(path, model, optimizer, scheduler)
             if data_state is not None:
                 loader.load_state_dict(data_state)
 
@@ -172,7 +172,7 @@ def _train(cfg: Config, rt: Runtime) -> TrainResult:
             report.zero_()
             window = _Window()
         if ck.dir and ((ck.interval and it % ck.interval == 0) or (it == t.iters and ck.save_at_end)):
-            checkpointing.save(ck.dir, it, ddp, optimizer, scheduler, loader.state_dict(), ck.keep_last)
+            checkpointing.save(ck.dir, it, model, optimizer, scheduler, loader.state_dict(), ck.keep_last)
         result.last_iteration = it
     sink.close()
     return result
