@@ -39,12 +39,15 @@ class MockDataset(torch.utils.data.Dataset):
         self.unit = self.patch * self.merge
         if data_cfg.min_image_side % self.unit or data_cfg.max_image_side % self.unit:
             raise ValueError(f"data.min_image_side/max_image_side must be multiples of {self.unit}")
-        # Ordinary text ids are [0, image_token_id); the top two are the role headers.
-        self.user_id = model_cfg.image_token_id - 2
-        self.assistant_id = model_cfg.image_token_id - 1
-        self.text_vocab = model_cfg.image_token_id - 2
+        # Ordinary text ids lie below every special token; the two just below them are the
+        # role headers (real tokenizers put their special ids at the top of the vocabulary).
+        m = model_cfg
+        lowest_special = min(m.image_token_id, m.vision_start_token_id, m.vision_end_token_id,
+                             m.im_start_token_id, m.im_end_token_id, m.eos_token_id, m.pad_token_id)
+        self.user_id, self.assistant_id = lowest_special - 2, lowest_special - 1
+        self.text_vocab = lowest_special - 2
         if self.text_vocab < 16:
-            raise ValueError(f"model.image_token_id ({model_cfg.image_token_id}) leaves too few text ids")
+            raise ValueError(f"special token ids from {lowest_special} up leave too few text ids for mock data")
         task = np.random.default_rng(_TASK_SEED)
         n = data_cfg.num_classes
         self.colours = task.uniform(0.1, 0.9, size=(n, 3)).astype(np.float32)

@@ -41,6 +41,8 @@ _MODULES_ALLOCATING_ON_CUDA = (
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.transformer.moe.moe_layer",
     "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.shared_experts",
+    "megatron.core.transformer.moe.moe_utils",
     "megatron.core.transformer.utils",
     "megatron.core.tensor_parallel.data",
     "megatron.core.dist_checkpointing.exchange_utils",
@@ -168,6 +170,12 @@ class _NoStream:
     def synchronize(self):
         pass
 
+    def record_event(self, *_):
+        return _NoStream()
+
+    def query(self):
+        return True
+
 
 class _CpuStreams:
     """``torch.cuda`` as seen by the patched megatron modules: streams are no-ops."""
@@ -177,6 +185,7 @@ class _CpuStreams:
 
     current_stream = staticmethod(lambda *a, **k: _NoStream())
     Stream = staticmethod(lambda *a, **k: _NoStream())
+    Event = staticmethod(lambda *a, **k: _NoStream())
     stream = staticmethod(lambda *a, **k: contextlib.nullcontext())
     current_device = staticmethod(lambda: torch.device("cpu"))
     synchronize = staticmethod(lambda *a, **k: None)

@@ -1,0 +1,28 @@
+"""Shared fixtures: one gloo process group (world size 1) for in-process model tests."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+@pytest.fixture(scope="session")
+def mcore():
+    """torch.distributed (gloo, 1 rank) + megatron model-parallel state with every size 1."""
+    os.environ.pop("RANK", None)
+    os.environ.pop("WORLD_SIZE", None)
+    from megatron.core import parallel_state as ps
+
+    from multimodal.platform import init_distributed
+
+    rt = init_distributed()
+    ps.initialize_model_parallel(1, 1)
+    yield rt
+    ps.destroy_model_parallel()

@@ -1,0 +1,92 @@
+"""Recipe loading, typed overrides, validation errors that name the field, --print-config."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from multimodal.config import ConfigError, load_config, validate
+
+PROXY = "configs/qwen35_vl_proxy.yaml"
+RECIPES = ["configs/qwen35_vl_proxy.yaml", "configs/qwen35_vl_proxy_moe.yaml", "configs/qwen35_vl_2b.yaml"]
+
+
+@pytest.mark.parametrize("path", RECIPES)
+def test_recipes_load_and_validate(path):
+    cfg = load_config(path)
+    validate(cfg, world_size=1)
+    for key in ("iters", "micro_batch_size", "global_batch_size", "seq_length"):
+        assert hasattr(cfg.train, key)
+    for key in ("tp", "pp", "cp", "ep"):
+        assert getattr(cfg.parallel, key) >= 1
+
+
+def test_overrides_are_typed_and_nested():
+    cfg = load_config(PROXY, ["train.iters=7", "optimizer.lr=1e-4", "model.vision.depth=1",
+                              "data.pack=false", "checkpoint.dir=/tmp/x", "model.mrope_section=[4,2,2]"])
+    assert cfg.train.iters == 7 and isinstance(cfg.train.iters, int)
+    assert cfg.optimizer.lr == pytest.approx(1e-4)
+    assert cfg.model.vision.depth == 1
+    assert cfg.data.pack is False
+    assert cfg.checkpoint.dir == "/tmp/x"
+    assert cfg.model.mrope_section == [4, 2, 2]
+    # a float-valued field accepts an integer literal
+    assert load_config(PROXY, ["optimizer.lr=1"]).optimizer.lr == 1.0
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("train.itres=3", "train.itres"),
+        ("model.vision.dpeth=3", "model.vision.dpeth"),
+        ("train.iters=three", "train.iters must be an integer"),
+        ("data.pack=maybe", "data.pack must be true or false"),
+        ("model.mrope_section=5", "model.mrope_section must be a list"),
+        ("noequals", "section.key=value"),
+    ],
+)
+def test_bad_keys_and_types_name_the_field(override, needle):
+    with pytest.raises(ConfigError, match=needle.replace("[", r"\[")):
+        load_config(PROXY, [override])
+
+
+@pytest.mark.parametrize(
+    "overrides, world, needle",
+    [
+        (["train.global_batch_size=3"], 2, "global_batch_size"),
+        (["parallel.tp=3"], 3, "num_attention_heads .* parallel.tp"),
+        (["train.micro_batch_size=2", "train.global_batch_size=4"], 1, "data.pack=true"),
+        (["parallel.tp=2"], 3, "not divisible by parallel.tp"),
+        (["model.mrope_section=[3,3,3]"], 1, "mrope_section"),
+        (["parallel.ep=2"], 2, "needs an MoE model"),
+        (["train.iters=0"], 1, "train.iters must be >= 1"),
+        (["checkpoint.load=latest", "checkpoint.dir=null"], 1, "checkpoint.dir"),
+        (["data.max_image_side=100"], 1, "multiples of patch_size"),
+        (["model.image_token_id=5000"], 1, "vocab_size"),
+    ],
+)
+def test_validation_names_the_fix(overrides, world, needle):
+    with pytest.raises(ConfigError, match=needle):
+        validate(load_config(PROXY, overrides), world_size=world)
+
+
+def test_print_config_cli_prints_resolved_yaml():
+    out = subprocess.run(
+        [sys.executable, "pretrain_multimodal.py", "--config", PROXY, "--print-config", "train.iters=11"],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    cfg = yaml.safe_load(out)
+    assert cfg["train"]["iters"] == 11
+    assert cfg["model"]["name"] == "qwen35_vl"
+
+
+def test_cli_reports_config_errors_with_exit_code_2():
+    proc = subprocess.run(
+        [sys.executable, "pretrain_multimodal.py", "--config", PROXY, "train.bogus=1"],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 2
+    assert "train.bogus" in proc.stderr
