@@ -197,8 +197,10 @@ class _Window:
 
 def _log_metrics(it, report, grad_norm, scheduler, window: _Window, peak, rt: Runtime) -> dict:
     dp_group = ps.get_data_parallel_group()
-    totals = torch.tensor([report[0].item(), report[1].item(), window.tokens, window.flops], dtype=torch.float64)
+    totals = torch.cat([report.double(), torch.tensor([window.tokens, window.flops], dtype=torch.float64,
+                                                      device=report.device)])
     dist.all_reduce(totals, group=dp_group)  # loss and tokens of the whole data-parallel batch
+    totals = totals.cpu()
     if rt.is_cuda:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - window.start

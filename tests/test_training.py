@@ -16,6 +16,14 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _train(tmp: Path, *overrides: str, config="configs/qwen35_vl_proxy.yaml", nproc: int = 1) -> dict[int, dict]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -23,8 +31,8 @@ def _train(tmp: Path, *overrides: str, config="configs/qwen35_vl_proxy.yaml", np
     if nproc == 1:
         cmd = [sys.executable, "pretrain_multimodal.py"]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-port=0",
-               "pretrain_multimodal.py"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+               f"--master-port={_free_port()}", "pretrain_multimodal.py"]
     cmd += ["--config", config, f"logging.dir={tmp}", "logging.progress_bar=false", *overrides]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
