@@ -39,7 +39,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from multimodal.training import train
 
-    train(cfg)
+    try:
+        train(cfg)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -23,7 +23,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from data.loader import MicroBatchIterator, build_dataset
 from models import get_model_builder
 from multimodal import checkpointing
-from multimodal.config import Config, validate
+from multimodal.config import Config, ConfigError, validate
 from multimodal.flops import device_peak_tflops, training_flops
 from multimodal.forward_step import ForwardStep
 from multimodal.metrics import MetricsSink
@@ -96,6 +96,10 @@ def build_model_and_optimizer(cfg: Config, rt: Runtime, dtype: torch.dtype):
 def train(cfg: Config) -> TrainResult:
     rt = init_distributed()
     validate(cfg, rt.world_size)
+    if cfg.parallel.use_distributed_optimizer and not rt.is_cuda:
+        # megatron's distributed optimizer checks parameter types against torch.cuda.* tensors.
+        raise ConfigError("parallel.use_distributed_optimizer=true needs CUDA devices; "
+                          "set it to false for CPU runs")
     p, t = cfg.parallel, cfg.train
     ps.initialize_model_parallel(
         tensor_model_parallel_size=p.tp,
@@ -167,6 +171,7 @@ def _train(cfg: Config, rt: Runtime) -> TrainResult:
 
         if it % cfg.logging.interval == 0 or it == t.iters:
             metrics = _log_metrics(it, report, grad_norm, scheduler, window, peak, rt)
+            metrics["param_norm"] = _param_norm(model)
             result.losses[it] = metrics["loss"]
             sink.log(it, metrics)
             report.zero_()
@@ -219,6 +224,17 @@ def _log_metrics(it, report, grad_norm, scheduler, window: _Window, peak, rt: Ru
         "step_time_s": elapsed / max(window.steps, 1),
         "supervised_tokens": int(totals[1].item()),
     }
+
+
+def _param_norm(model) -> float:
+    """L2 norm of all parameters, each counted once across tensor-parallel ranks (log steps only)."""
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+    sq = [p.detach().float().square().sum() for p in model.parameters()
+          if param_is_not_tensor_parallel_duplicate(p)]
+    total = torch.stack(sq).sum() if sq else torch.zeros((), device=next(model.parameters()).device)
+    dist.all_reduce(total, group=ps.get_model_parallel_group())
+    return total.sqrt().item()
 
 
 def _cpu_peak_gib() -> float:

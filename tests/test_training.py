@@ -74,6 +74,14 @@ def test_torchrun_data_parallel_on_cpu(tmp_path):
     assert rows[4]["loss"] < rows[1]["loss"]
 
 
+def test_wandb_offline_and_parameter_norm(tmp_path):
+    pytest.importorskip("wandb")
+    rows = _train(tmp_path, "train.iters=2", "train.seq_length=256", "data.max_image_side=64",
+                  "data.max_text_tokens=48", "checkpoint.dir=null", "logging.wandb=true")
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
+    assert rows[2]["param_norm"] > 0
+
+
 def test_incomplete_checkpoints_are_never_loaded(tmp_path):
     good = tmp_path / "iter_0000010"
     good.mkdir()
