@@ -30,39 +30,50 @@ def test_packed_conv_resets_at_sample_starts():
     torch.testing.assert_close(packed, alone)
 
 
+def _delta_inputs(seed, T, H, K, V):
+    """Leaf tensors (q, k unnormalised) for the gated delta rule: q, k, v, log-decay g <= 0, beta."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(1, T, H, K), (1, T, H, K), (1, T, H, V)]
+    q, k, v = (torch.randn(*s, generator=g) for s in shapes)
+    gate, beta = -torch.rand(1, T, H, generator=g), torch.rand(1, T, H, generator=g)
+    return [t.requires_grad_() for t in (q, k, v, gate, beta)]
+
+
+def _recurrence(q, k, v, gate, beta):
+    """The defining token-by-token form: S_t = a_t S + b_t k_t (v_t - k_t^T a_t S); o_t = q_t S_t / sqrt(K)."""
+    _, T, H, K = q.shape
+    S = torch.zeros(H, K, v.shape[-1])
+    outs = []
+    for t in range(T):
+        S = S * gate[0, t].exp()[:, None, None]
+        delta = v[0, t] - torch.einsum("hk,hkv->hv", k[0, t], S)
+        S = S + beta[0, t][:, None, None] * k[0, t][:, :, None] * delta[:, None, :]
+        outs.append(torch.einsum("hk,hkv->hv", q[0, t] * K**-0.5, S))
+    return torch.stack(outs)[None]
+
+
 def test_packed_delta_rule_restarts_state_per_sample():
-    g = torch.Generator().manual_seed(1)
-    T, H, K, V = sum(LENS), 2, 16, 8
-    q = l2norm(torch.randn(1, T, H, K, generator=g))
-    k = l2norm(torch.randn(1, T, H, K, generator=g))
-    v = torch.randn(1, T, H, V, generator=g)
-    gate = -torch.rand(1, T, H, generator=g)
-    beta = torch.rand(1, T, H, generator=g)
+    q, k, v, gate, beta = _delta_inputs(1, sum(LENS), 2, 16, 8)
+    q, k = l2norm(q), l2norm(k)
     packed = chunk_gated_delta_rule_ref(q, k, v, gate, beta, CU)
     parts = zip(*(_split(t) for t in (q, k, v, gate, beta)))
     alone = torch.cat([chunk_gated_delta_rule_ref(*p, None) for p in parts], dim=1)
     torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
 
 
-def test_delta_rule_matches_token_by_token_recurrence():
-    """The chunked form equals the defining recurrence S_t = a_t S_{t-1} + b_t k_t (v_t - a_t S_{t-1}^T k_t)."""
-    g = torch.Generator().manual_seed(2)
-    T, H, K, V = 70, 2, 8, 4
-    q = l2norm(torch.randn(1, T, H, K, generator=g))
-    k = l2norm(torch.randn(1, T, H, K, generator=g))
-    v = torch.randn(1, T, H, V, generator=g)
-    gate = -torch.rand(1, T, H, generator=g)
-    beta = torch.rand(1, T, H, generator=g)
-    out = chunk_gated_delta_rule_ref(q, k, v, gate, beta, None)
-    S = torch.zeros(H, K, V)
-    ref = torch.empty(T, H, V)
-    for t in range(T):
-        S = S * gate[0, t].exp()[:, None, None]
-        kt, vt, bt = k[0, t], v[0, t], beta[0, t]
-        delta = vt - torch.einsum("hk,hkv->hv", kt, S)
-        S = S + bt[:, None, None] * kt[:, :, None] * delta[:, None, :]
-        ref[t] = torch.einsum("hk,hkv->hv", q[0, t] * K**-0.5, S)
-    torch.testing.assert_close(out[0], ref, rtol=1e-4, atol=1e-4)
+def test_delta_rule_matches_token_by_token_recurrence_forward_and_backward():
+    leaves = _delta_inputs(2, 70, 2, 8, 4)
+    weight = torch.randn(1, 70, 2, 4, generator=torch.Generator().manual_seed(3))
+    results = []
+    for fn in (lambda *a: chunk_gated_delta_rule_ref(*a, None), _recurrence):
+        q, k, v, gate, beta = leaves
+        out = fn(l2norm(q), l2norm(k), v, gate, beta)
+        grads = torch.autograd.grad((out * weight).sum(), leaves)
+        results.append((out, grads))
+    (out, grads), (ref, ref_grads) = results
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    for name, a, b in zip("qkvgb", grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"grad of {name}")
 
 
 @pytest.mark.parametrize("causal", [True, False])
