@@ -59,7 +59,10 @@ def _sharded_state(model, optimizer, is_loading: bool) -> dict:
     return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
 
 
-def save(ckpt_dir: str, iteration: int, model, optimizer, scheduler, data_state: dict, keep_last: int = 0) -> Path:
+def save(ckpt_dir: str, iteration: int, model, optimizer, scheduler, data_state: dict, keep_last: int = 0,
+         meta_files: dict[str, str] | None = None) -> Path:
+    """meta_files: small text files written beside the weights (model_config.json, hf_config.json)
+    so export and later tools know the architecture without the recipe."""
     root = Path(ckpt_dir)
     final = root / _iter_name(iteration)
     tmp = root / (final.name + ".tmp")
@@ -75,6 +78,8 @@ def save(ckpt_dir: str, iteration: int, model, optimizer, scheduler, data_state:
     dist.barrier()
     if rank == 0:
         trainer = {"iteration": iteration, "scheduler": scheduler.state_dict(), "world_size": dist.get_world_size()}
+        for name, text in (meta_files or {}).items():
+            (tmp / name).write_text(text)
         (tmp / "trainer_state.json").write_text(json.dumps(trainer))
         if final.exists():
             shutil.rmtree(final)
@@ -115,9 +120,50 @@ def resolve(load: str, ckpt_dir: str | None) -> Path | None:
     return path
 
 
-def load(path: Path, model, optimizer, scheduler) -> tuple[int, dict | None]:
-    """Restore model, optimizer, scheduler and this rank's RNG; returns (iteration, data_state)."""
+def save_weights(ckpt_dir: str | Path, model, extra: dict | None = None,
+                 meta_files: dict[str, str] | None = None) -> Path:
+    """A weights-only checkpoint (e.g. converted from Hugging Face): training starts at step 0
+    from these weights with a fresh optimizer. Same atomic tmp-then-rename protocol as save()."""
+    root = Path(ckpt_dir)
+    final = root / _iter_name(0)
+    tmp = root / (final.name + ".tmp")
+    rank = dist.get_rank()
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    dist_checkpointing.save({"model": model.sharded_state_dict()}, str(tmp))
+    dist.barrier()
+    if rank == 0:
+        for name, text in (meta_files or {}).items():
+            (tmp / name).write_text(text)
+        (tmp / "trainer_state.json").write_text(json.dumps({"iteration": 0, "weights_only": True, **(extra or {})}))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        (root / "latest.tmp").write_text(final.name)
+        os.replace(root / "latest.tmp", root / "latest")
+    dist.barrier()
+    return final
+
+
+def load_weights(path: Path, model) -> dict:
+    """Load only the model weights of any checkpoint (under any TP/EP layout); returns trainer_state."""
     trainer = json.loads((path / "trainer_state.json").read_text())
+    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path))
+    model.load_state_dict(state["model"])
+    return trainer
+
+
+def load(path: Path, model, optimizer, scheduler) -> tuple[int, dict | None]:
+    """Restore model, optimizer, scheduler and this rank's RNG; returns (iteration, data_state).
+    A weights-only checkpoint restores the model and starts at iteration 0."""
+    trainer = json.loads((path / "trainer_state.json").read_text())
+    if trainer.get("weights_only"):
+        load_weights(path, model)
+        log.info("loaded weights from %s (weights-only checkpoint: optimizer and step start fresh)", path)
+        return 0, None
     state = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(path))
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])

@@ -39,6 +39,9 @@ class VisionConfig:
 @dataclass
 class ModelConfig:
     name: str = "qwen35_vl"  # key of models.MODEL_REGISTRY
+    # A Hugging Face checkpoint dir (or its config.json): the architecture fields below are then
+    # read from it at start-up (start from converted weights with checkpoint.load).
+    hf_config: str | None = None
     hidden_size: int = 128
     num_layers: int = 4
     num_attention_heads: int = 4
@@ -298,6 +301,21 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _require(p.cp == 1, "parallel.cp > 1 is not implemented yet; set parallel.cp=1")
     _require(p.pp == 1, "parallel.pp > 1 is not implemented yet for the multimodal model; set parallel.pp=1")
 
+    validate_layout(m, p)
+    v = m.vision
+    _require(v.hidden_size % v.num_heads == 0, "model.vision.hidden_size must be divisible by model.vision.num_heads")
+    unit = v.patch_size * v.spatial_merge_size
+    _require(d.min_image_side % unit == 0 and d.max_image_side % unit == 0,
+             f"data.min_image_side/max_image_side must be multiples of patch_size*spatial_merge_size = {unit}")
+    _require(1 <= d.min_images <= d.max_images, "data.min_images must be in [1, data.max_images]")
+    special = [m.image_token_id, m.vision_start_token_id, m.vision_end_token_id, m.im_start_token_id,
+               m.im_end_token_id, m.eos_token_id, m.pad_token_id]
+    _require(all(0 <= s < m.vocab_size for s in special),
+             f"special token ids {special} must lie inside model.vocab_size ({m.vocab_size})")
+
+
+def validate_layout(m: ModelConfig, p: ParallelConfig) -> None:
+    """The model's shapes against the parallel layout (heads, groups, experts divide)."""
     _require(m.num_attention_heads % m.num_query_groups == 0,
              f"model.num_attention_heads ({m.num_attention_heads}) must be a multiple of "
              f"model.num_query_groups ({m.num_query_groups})")
@@ -321,16 +339,6 @@ def validate(cfg: Config, world_size: int = 1) -> None:
                  "model.moe_token_dispatcher must be alltoall|allgather")
     else:
         _require(p.ep == 1, "parallel.ep > 1 needs an MoE model (model.num_experts > 0)")
-    v = m.vision
-    _require(v.hidden_size % v.num_heads == 0, "model.vision.hidden_size must be divisible by model.vision.num_heads")
-    unit = v.patch_size * v.spatial_merge_size
-    _require(d.min_image_side % unit == 0 and d.max_image_side % unit == 0,
-             f"data.min_image_side/max_image_side must be multiples of patch_size*spatial_merge_size = {unit}")
-    _require(1 <= d.min_images <= d.max_images, "data.min_images must be in [1, data.max_images]")
-    special = [m.image_token_id, m.vision_start_token_id, m.vision_end_token_id, m.im_start_token_id,
-               m.im_end_token_id, m.eos_token_id, m.pad_token_id]
-    _require(all(0 <= s < m.vocab_size for s in special),
-             f"special token ids {special} must lie inside model.vocab_size ({m.vocab_size})")
 
 
 def config_to_yaml(cfg: Config) -> str:

@@ -11,7 +11,7 @@ Patched on CPU only (each one is listed in ``CPU_PATCHES`` so tests can assert t
 - the modules in ``_MODULES_ALLOCATING_ON_CUDA`` (optimizer, grad clipping, schedules,
   grad buffers, MoE, dist-checkpointing) see a ``torch`` whose factories turn
   ``device='cuda'`` into CPU; ``clip_grad_by_total_norm_fp32`` (which asserts CUDA
-  gradients) gets a CPU twin.
+  gradients) gets a CPU twin; the MoE all-to-all split sizes become numpy as on a GPU.
 - ``megatron.core.tensor_parallel.random`` CUDA RNG tracker: replaced by one that forks
   the CPU generator, so model-parallel seeding keeps its meaning on CPU.
 """
@@ -122,6 +122,11 @@ def apply_cpu_patches() -> None:
     mcore_optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
     CPU_PATCHES.append("megatron.core.optimizer.optimizer.clip_grad_by_total_norm_fp32")
 
+    from megatron.core.transformer.moe import token_dispatcher
+
+    token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_to_host
+    CPU_PATCHES.append("megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu")
+
     from megatron.core.tensor_parallel import random as mcore_random
 
     mcore_random._CUDA_RNG_STATE_TRACKER = CpuRngStatesTracker()
@@ -190,6 +195,14 @@ class _CpuStreams:
     current_device = staticmethod(lambda: torch.device("cpu"))
     synchronize = staticmethod(lambda *a, **k: None)
     is_available = staticmethod(lambda: False)
+
+
+def _split_sizes_to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """megatron moves all-to-all split sizes GPU -> numpy; on CPU they stayed tensors, which
+    ``all_to_all_single`` rejects. Same result as megatron's helper on a GPU."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.detach().cpu().numpy()
+    return tensor.cpu() if torch.is_tensor(tensor) else tensor
 
 
 def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):

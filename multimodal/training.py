@@ -7,9 +7,12 @@ read back only every ``logging.interval`` steps, so the hot path has no host syn
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -93,8 +96,21 @@ def build_model_and_optimizer(cfg: Config, rt: Runtime, dtype: torch.dtype):
     return model, ddp, optimizer, scheduler
 
 
+def checkpoint_meta(cfg: Config) -> dict[str, str]:
+    """Architecture files stored in every checkpoint (export reads them)."""
+    meta = {"model_config.json": json.dumps(dataclasses.asdict(cfg.model), indent=1)}
+    if cfg.model.hf_config:
+        p = Path(cfg.model.hf_config)
+        meta["hf_config.json"] = (p if p.is_file() else p / "config.json").read_text()
+    return meta
+
+
 def train(cfg: Config) -> TrainResult:
     rt = init_distributed()
+    if cfg.model.hf_config:
+        from models.qwen35_vl.hf import model_config_from_hf
+
+        cfg.model = model_config_from_hf(cfg.model.hf_config, base=cfg.model)
     validate(cfg, rt.world_size)
     if cfg.parallel.use_distributed_optimizer and not rt.is_cuda:
         # megatron's distributed optimizer checks parameter types against torch.cuda.* tensors.
@@ -177,7 +193,8 @@ def _train(cfg: Config, rt: Runtime) -> TrainResult:
             report.zero_()
             window = _Window()
         if ck.dir and ((ck.interval and it % ck.interval == 0) or (it == t.iters and ck.save_at_end)):
-            checkpointing.save(ck.dir, it, model, optimizer, scheduler, loader.state_dict(), ck.keep_last)
+            checkpointing.save(ck.dir, it, model, optimizer, scheduler, loader.state_dict(), ck.keep_last,
+                               meta_files=checkpoint_meta(cfg))
         result.last_iteration = it
     sink.close()
     return result

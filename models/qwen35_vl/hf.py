@@ -34,7 +34,8 @@ HF_VISION = "model.visual."
 
 def model_config_from_hf(hf_dir: str | Path, base: ModelConfig | None = None) -> ModelConfig:
     """Our ``model`` section from a checkpoint's config.json (shapes are never hand-written)."""
-    raw = json.loads((Path(hf_dir) / "config.json").read_text())
+    path = Path(hf_dir)
+    raw = json.loads((path if path.is_file() else path / "config.json").read_text())
     t, v = raw.get("text_config", raw), raw.get("vision_config", {})
     rope = t.get("rope_parameters") or {}
     types = t.get("layer_types")
@@ -72,7 +73,14 @@ def model_config_from_hf(hf_dir: str | Path, base: ModelConfig | None = None) ->
         "image_token_id": raw.get("image_token_id", cfg.image_token_id),
         "vision_start_token_id": raw.get("vision_start_token_id", cfg.vision_start_token_id),
         "vision_end_token_id": raw.get("vision_end_token_id", cfg.vision_end_token_id),
+        "hf_config": str(hf_dir),
     }
+    for ours, key in (("eos_token_id", "eos_token_id"), ("pad_token_id", "pad_token_id")):
+        value = t.get(key, raw.get(key))
+        if isinstance(value, list):
+            value = value[0]
+        if isinstance(value, int):
+            m[ours] = value
     if m["num_experts"]:
         m["moe_router_topk"] = t["num_experts_per_tok"]
         m["moe_ffn_hidden_size"] = t["moe_intermediate_size"]
@@ -252,3 +260,59 @@ def load_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
     for f in files:
         state.update(load_file(str(d / f)))
     return state
+
+
+def hf_config_from_ours(m: ModelConfig) -> dict:
+    """config.json content for transformers' Qwen3.5 (dense) or Qwen3.5-MoE from our model section."""
+    moe = bool(m.num_experts)
+    text = {
+        "model_type": "qwen3_5_moe_text" if moe else "qwen3_5_text",
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.hidden_size,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_attention_heads,
+        "num_key_value_heads": m.num_query_groups,
+        "head_dim": m.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": m.max_position_embeddings,
+        "rms_norm_eps": m.rms_norm_eps,
+        "attention_bias": False,
+        "linear_conv_kernel_dim": m.linear_conv_kernel_dim,
+        "linear_key_head_dim": m.linear_key_head_dim,
+        "linear_value_head_dim": m.linear_value_head_dim,
+        "linear_num_key_heads": m.linear_num_key_heads,
+        "linear_num_value_heads": m.linear_num_value_heads,
+        "layer_types": ["full_attention" if _is_attention(m, i) else "linear_attention" for i in range(m.num_layers)],
+        "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta,
+                            "partial_rotary_factor": m.partial_rotary_factor,
+                            "mrope_section": list(m.mrope_section), "mrope_interleaved": m.mrope_interleaved},
+        "tie_word_embeddings": m.tie_word_embeddings,
+    }
+    if 0 <= m.eos_token_id < m.vocab_size:
+        text["eos_token_id"] = m.eos_token_id
+    if moe:
+        text.update(num_experts=m.num_experts, num_experts_per_tok=m.moe_router_topk,
+                    moe_intermediate_size=m.moe_ffn_hidden_size,
+                    shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
+                    router_aux_loss_coef=m.moe_aux_loss_coeff)
+    else:
+        text["intermediate_size"] = m.ffn_hidden_size
+    v = m.vision
+    vision = {
+        "model_type": "qwen3_5_moe_vision" if moe else "qwen3_5_vision",
+        "depth": v.depth, "hidden_size": v.hidden_size, "intermediate_size": v.intermediate_size,
+        "num_heads": v.num_heads, "in_channels": v.in_channels, "patch_size": v.patch_size,
+        "temporal_patch_size": v.temporal_patch_size, "spatial_merge_size": v.spatial_merge_size,
+        "out_hidden_size": m.hidden_size, "num_position_embeddings": v.num_position_embeddings,
+        "hidden_act": "gelu_pytorch_tanh", "rope_parameters": {"rope_type": "axial", "rope_theta": v.rope_theta},
+    }
+    return {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5_moe" if moe else "qwen3_5",
+        "text_config": text,
+        "vision_config": vision,
+        "image_token_id": m.image_token_id,
+        "vision_start_token_id": m.vision_start_token_id,
+        "vision_end_token_id": m.vision_end_token_id,
+        "tie_word_embeddings": m.tie_word_embeddings,
+    }

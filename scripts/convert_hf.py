@@ -1,0 +1,142 @@
+"""Convert between Hugging Face Qwen3.5(-MoE) checkpoints and ours.
+
+    python scripts/convert_hf.py import --hf-dir DIR --out CKPT [--tp N --pp N --ep N]
+    python scripts/convert_hf.py export --ckpt CKPT --out DIR [--config RECIPE.yaml]
+
+import writes a weights-only megatron dist-checkpoint (iter_0000000 + latest) that training
+loads with ``checkpoint.load=CKPT`` and ``model.hf_config=DIR`` (the shapes come from DIR's
+config.json). A dist-checkpoint is layout independent: the same files load under any TP/PP/EP,
+so --tp/--pp/--ep only check that the layout you plan divides the model.
+
+export loads any of our checkpoints (weights-only or a training checkpoint, saved under any
+TP/EP layout) into one process and writes model.safetensors + config.json that
+``from_pretrained`` loads. The model shapes come from the checkpoint (written at import or by
+training), or from --config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models.qwen35_vl.hf import (  # noqa: E402
+    hf_config_from_ours,
+    hf_to_ours,
+    load_hf_state_dict,
+    model_config_from_hf,
+    ours_to_hf,
+)
+from multimodal.config import ModelConfig, ParallelConfig, load_config, validate_layout  # noqa: E402
+
+MODEL_CONFIG_FILE = "model_config.json"
+
+
+def _init():
+    from megatron.core import parallel_state as ps
+
+    from multimodal.platform import init_distributed, seed_everything
+
+    init_distributed()
+    ps.initialize_model_parallel(1, 1)
+    seed_everything(0)
+
+
+def _build(m: ModelConfig):
+    from models.qwen35_vl.model import build
+
+    return build(m, ParallelConfig(), torch.float32)
+
+
+def do_import(hf_dir: str, out: str, tp: int, pp: int, ep: int) -> Path:
+    from models.qwen35_vl.parity import load_full_state_dict
+    from multimodal import checkpointing
+
+    m = model_config_from_hf(hf_dir)
+    validate_layout(m, ParallelConfig(tp=tp, pp=pp, ep=ep))
+    if m.num_layers % pp:
+        raise ValueError(f"--pp {pp} does not divide the {m.num_layers} decoder layers")
+    _init()
+    model = _build(m)
+    state = load_hf_state_dict(hf_dir)
+    load_full_state_dict(model, hf_to_ours(state, m))
+    dtype = next(iter(state.values())).dtype
+    meta = {MODEL_CONFIG_FILE: json.dumps(dataclasses.asdict(m), indent=1),
+            "hf_config.json": (Path(hf_dir) / "config.json").read_text()}
+    extra = {"source": str(hf_dir), "hf_dtype": str(dtype).replace("torch.", "")}
+    return checkpointing.save_weights(out, model, extra, meta)
+
+
+def _model_config_of(ckpt: Path, recipe: str | None) -> ModelConfig:
+    """The architecture of a checkpoint: --config, else what the checkpoint recorded."""
+    if recipe:
+        return load_config(recipe).model
+    if (ckpt / "hf_config.json").is_file():
+        return model_config_from_hf(ckpt / "hf_config.json")
+    if (ckpt / MODEL_CONFIG_FILE).is_file():
+        from multimodal.config import _build as build_dataclass
+
+        return build_dataclass(ModelConfig, json.loads((ckpt / MODEL_CONFIG_FILE).read_text()), "model.")
+    raise FileNotFoundError(f"{ckpt} records no model config; pass --config RECIPE.yaml")
+
+
+def do_export(ckpt: str, out: str, recipe: str | None, dtype: str) -> Path:
+    from safetensors.torch import save_file
+
+    from multimodal import checkpointing
+
+    _init()
+    path = checkpointing.resolve(ckpt, None)
+    m = _model_config_of(path, recipe)
+    model = _build(m)
+    checkpointing.load_weights(path, model)
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    hf = ours_to_hf(state, m)
+    trainer = json.loads((path / "trainer_state.json").read_text())
+    target = {"fp32": torch.float32, "bf16": torch.bfloat16, "auto": getattr(torch, trainer.get("hf_dtype", "float32"))}[dtype]
+    hf = {k: t.detach().to(target).contiguous() for k, t in hf.items()}
+    if m.tie_word_embeddings:
+        hf.pop("lm_head.weight", None)
+    outd = Path(out)
+    outd.mkdir(parents=True, exist_ok=True)
+    save_file(hf, str(outd / "model.safetensors"), metadata={"format": "pt"})
+    if (path / "hf_config.json").is_file():  # keep the original config (tokens, extra fields) verbatim
+        cfg = json.loads((path / "hf_config.json").read_text())
+    else:
+        cfg = hf_config_from_ours(m)
+    cfg["dtype"] = str(target).replace("torch.", "")
+    (outd / "config.json").write_text(json.dumps(cfg, indent=2))
+    return outd
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    imp = sub.add_parser("import", help="HF directory -> our weights-only checkpoint")
+    imp.add_argument("--hf-dir", required=True)
+    imp.add_argument("--out", required=True)
+    imp.add_argument("--tp", type=int, default=1)
+    imp.add_argument("--pp", type=int, default=1)
+    imp.add_argument("--ep", type=int, default=1)
+    exp = sub.add_parser("export", help="our checkpoint -> HF directory (safetensors + config.json)")
+    exp.add_argument("--ckpt", required=True, help="an iter_* directory or a checkpoint dir with 'latest'")
+    exp.add_argument("--out", required=True)
+    exp.add_argument("--config", help="recipe whose model section describes the checkpoint")
+    exp.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
+                     help="auto: the dtype of the imported HF checkpoint, else fp32")
+    args = ap.parse_args(argv)
+    if args.cmd == "import":
+        print(do_import(args.hf_dir, args.out, args.tp, args.pp, args.ep))
+    else:
+        print(do_export(args.ckpt, args.out, args.config, args.dtype))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
