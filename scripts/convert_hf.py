@@ -73,7 +73,7 @@ def do_import(hf_dir: str, out: str, tp: int, pp: int, ep: int) -> Path:
     return checkpointing.save_weights(out, model, extra, meta)
 
 
-def _model_config_of(ckpt: Path, recipe: str | None) -> ModelConfig:
+def model_config_of_checkpoint(ckpt: Path, recipe: str | None) -> ModelConfig:
     """The architecture of a checkpoint: --config, else what the checkpoint recorded."""
     if recipe:
         return load_config(recipe).model
@@ -93,7 +93,7 @@ def do_export(ckpt: str, out: str, recipe: str | None, dtype: str) -> Path:
 
     _init()
     path = checkpointing.resolve(ckpt, None)
-    m = _model_config_of(path, recipe)
+    m = model_config_of_checkpoint(path, recipe)
     model = _build(m)
     checkpointing.load_weights(path, model)
     state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}

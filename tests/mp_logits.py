@@ -36,13 +36,13 @@ def main() -> None:
     from multimodal import checkpointing
     from multimodal.config import ParallelConfig
     from multimodal.platform import init_distributed, seed_everything
-    from scripts.convert_hf import _model_config_of
+    from scripts.convert_hf import model_config_of_checkpoint
 
     init_distributed()
     ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, expert_model_parallel_size=args.ep)
     seed_everything(0)
     path = checkpointing.resolve(args.ckpt, None)
-    m = _model_config_of(path, None)
+    m = model_config_of_checkpoint(path, None)
     m.attention_backend, m.gdn_backend, m.moe_aux_loss_coeff = "sdpa", "torch", 0.0
     model = build(m, ParallelConfig(tp=args.tp, ep=args.ep), torch.float32)
     checkpointing.load_weights(path, model)
