@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 
-from multimodal.config import ConfigError, config_to_yaml, load_config, validate
+from multimodal.config import ConfigError, config_to_yaml, load_config, resolve_sources, validate
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     # megatron-core logs every parameter name and its full optimizer config at INFO.
     logging.getLogger("megatron").setLevel(logging.WARNING)
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = resolve_sources(load_config(args.config, args.overrides))
         validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

@@ -11,14 +11,32 @@ from __future__ import annotations
 
 from data.collate import pack_thd, pad_bshd
 
+MIN_SAMPLES_FOR_BAD_CHECK = 20  # judge the bad-row fraction only once it means something
+
 
 def build_dataset(model_cfg, data_cfg, seq_length: int):
-    """Dataset for ``data.name``; only the synthetic "mock" set exists so far."""
+    """Dataset for ``data.name``: "mock" (synthetic) or "cord_v2" (receipts from data.path)."""
     if data_cfg.name == "mock":
         from data.mock import MockDataset
 
         return MockDataset(model_cfg, data_cfg, seq_length)
-    raise ValueError(f"data.name {data_cfg.name!r} is not available; choose: mock")
+    if data_cfg.name == "cord_v2":
+        from data.cord_v2 import CordV2Dataset
+
+        return CordV2Dataset(
+            model_cfg, data_cfg, seq_length, load_tokenizer(data_cfg), split=data_cfg.split,
+            prompt=data_cfg.prompt, target_format=data_cfg.target_format,
+            min_pixels=data_cfg.min_pixels, max_pixels=data_cfg.max_pixels,
+        )
+    raise ValueError(f"data.name {data_cfg.name!r} is not available; choose: mock, cord_v2")
+
+
+def load_tokenizer(data_cfg):
+    if not data_cfg.tokenizer:
+        raise ValueError(f"data.name={data_cfg.name} needs data.tokenizer (a tokenizer directory)")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(data_cfg.tokenizer)
 
 
 class MicroBatchIterator:
@@ -32,7 +50,8 @@ class MicroBatchIterator:
     """
 
     def __init__(self, dataset, seq_length: int, pad_id: int, image_token_id: int, merge: int,
-                 pack: bool, micro_batch_size: int, dp_rank: int, dp_size: int, start_index: int = 0):
+                 pack: bool, micro_batch_size: int, dp_rank: int, dp_size: int, start_index: int = 0,
+                 max_bad_fraction: float = 0.1):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} must be in [0, dp_size={dp_size})")
         if len(dataset) == 0:
@@ -45,13 +64,30 @@ class MicroBatchIterator:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self._next = start_index + dp_rank  # unwrapped global index of the next unconsumed sample
         self._peeked: tuple[int, dict] | None = None  # cache of the sample at self._next
+        self.max_bad_fraction = max_bad_fraction
+        self.seen = self.bad = 0  # rows read / rows the dataset skipped, on this rank
 
     def __iter__(self):
         return self
 
     def _peek(self) -> dict:
-        if self._peeked is None or self._peeked[0] != self._next:
-            self._peeked = (self._next, self.dataset[self._next % len(self.dataset)])
+        """The next usable sample of this rank. Rows the dataset skips (it returns None for a
+        corrupt image, bad JSON, ...) are stepped over and counted; a run whose data is mostly
+        broken stops with the dataset's reasons instead of training on what is left."""
+        while self._peeked is None or self._peeked[0] != self._next:
+            sample = self.dataset[self._next % len(self.dataset)]
+            self.seen += 1
+            if sample is not None:
+                self._peeked = (self._next, sample)
+                break
+            self.bad += 1
+            if self.seen >= MIN_SAMPLES_FOR_BAD_CHECK and self.bad > self.max_bad_fraction * self.seen:
+                reasons = dict(getattr(self.dataset, "skipped", {}))
+                raise RuntimeError(
+                    f"{self.bad} of {self.seen} samples read by data-parallel rank {self.dp_rank} were unusable "
+                    f"({reasons}), more than data.max_bad_fraction={self.max_bad_fraction}; fix the data or "
+                    "raise data.max_bad_fraction")
+            self._next += self.dp_size
         return self._peeked[1]
 
     def _take(self) -> dict:

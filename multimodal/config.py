@@ -98,6 +98,14 @@ class DataConfig:
     min_text_tokens: int = 16
     max_text_tokens: int = 96
     num_classes: int = 16  # mock: image classes, each with its own answer
+    # cord_v2 (and any tokenised data set)
+    tokenizer: str | None = None  # tokenizer dir; the model's special token ids are read from it
+    split: str = "train"
+    prompt: str | None = None  # user prompt beside the image; None: the data set's default
+    target_format: str = "json"  # json (gt_parse as JSON, key order kept) | donut (tags)
+    min_pixels: int = 4 * 32 * 32  # dynamic resolution: each image is resized into this area range
+    max_pixels: int = 256 * 32 * 32
+    max_bad_fraction: float = 0.1  # stop when more of the rows read than this are unusable
 
 
 @dataclass
@@ -279,7 +287,12 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         _require(value >= 1, f"{name} must be >= 1, got {value}")
     _require(cfg.checkpoint.interval >= 0, "checkpoint.interval must be >= 0 (0 = only at the end)")
     _require(t.precision in ("auto", "bf16", "fp32"), f"train.precision must be auto|bf16|fp32, got {t.precision!r}")
-    _require(d.name in ("mock",), f"data.name {d.name!r} is not available; choose: mock")
+    _require(d.name in ("mock", "cord_v2"), f"data.name {d.name!r} is not available; choose: mock, cord_v2")
+    if d.name == "cord_v2":
+        _require(bool(d.path), "data.name=cord_v2 needs data.path (the CORD-v2 folder of parquet files)")
+        _require(bool(d.tokenizer), "data.name=cord_v2 needs data.tokenizer (a tokenizer directory)")
+    _require(d.target_format in ("json", "donut"), f"data.target_format must be json|donut, got {d.target_format!r}")
+    _require(0.0 <= d.max_bad_fraction <= 1.0, "data.max_bad_fraction must be in [0, 1]")
     _require(o.lr_decay_style in ("cosine", "linear", "constant"),
              f"optimizer.lr_decay_style must be cosine|linear|constant, got {o.lr_decay_style!r}")
     _require(o.min_lr <= o.lr, f"optimizer.min_lr ({o.min_lr}) must be <= optimizer.lr ({o.lr})")
@@ -339,6 +352,22 @@ def validate_layout(m: ModelConfig, p: ParallelConfig) -> None:
                  "model.moe_token_dispatcher must be alltoall|allgather")
     else:
         _require(p.ep == 1, "parallel.ep > 1 needs an MoE model (model.num_experts > 0)")
+
+
+def resolve_sources(cfg: Config) -> Config:
+    """Fill what the recipe delegates to files: the architecture from ``model.hf_config`` and the
+    special token ids from ``data.tokenizer`` (never guessed). Idempotent; call before validate."""
+    if cfg.model.hf_config:
+        from models.qwen35_vl.hf import model_config_from_hf
+
+        cfg.model = model_config_from_hf(cfg.model.hf_config, base=cfg.model)
+    if cfg.data.tokenizer:
+        from data.chat import special_token_ids
+        from data.loader import load_tokenizer
+
+        for key, value in special_token_ids(load_tokenizer(cfg.data)).items():
+            setattr(cfg.model, key, value)
+    return cfg
 
 
 def config_to_yaml(cfg: Config) -> str:

@@ -26,7 +26,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from data.loader import MicroBatchIterator, build_dataset
 from models import get_model_builder
 from multimodal import checkpointing
-from multimodal.config import Config, ConfigError, validate
+from multimodal.config import Config, ConfigError, resolve_sources, validate
 from multimodal.flops import device_peak_tflops, training_flops
 from multimodal.forward_step import ForwardStep
 from multimodal.metrics import MetricsSink
@@ -107,10 +107,7 @@ def checkpoint_meta(cfg: Config) -> dict[str, str]:
 
 def train(cfg: Config) -> TrainResult:
     rt = init_distributed()
-    if cfg.model.hf_config:
-        from models.qwen35_vl.hf import model_config_from_hf
-
-        cfg.model = model_config_from_hf(cfg.model.hf_config, base=cfg.model)
+    resolve_sources(cfg)
     validate(cfg, rt.world_size)
     if cfg.parallel.use_distributed_optimizer and not rt.is_cuda:
         # megatron's distributed optimizer checks parameter types against torch.cuda.* tensors.
@@ -144,7 +141,7 @@ def _train(cfg: Config, rt: Runtime) -> TrainResult:
     dataset = build_dataset(m, cfg.data, t.seq_length)
     loader = MicroBatchIterator(
         dataset, t.seq_length, m.pad_token_id, m.image_token_id, m.vision.spatial_merge_size,
-        cfg.data.pack, t.micro_batch_size, dp_rank, dp_size,
+        cfg.data.pack, t.micro_batch_size, dp_rank, dp_size, max_bad_fraction=cfg.data.max_bad_fraction,
     )
 
     start = 0
