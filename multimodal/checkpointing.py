@@ -59,11 +59,10 @@ def _sharded_state(model, optimizer, is_loading: bool) -> dict:
     return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
 
 
-def save(ckpt_dir: str, iteration: int, model, optimizer, scheduler, data_state: dict, keep_last: int = 0,
-         meta_files: dict[str, str] | None = None) -> Path:
-    """meta_files: small text files written beside the weights (model_config.json, hf_config.json)
-    so export and later tools know the architecture without the recipe."""
-    root = Path(ckpt_dir)
+def _write(root: Path, iteration: int, sharded: dict, trainer: dict, meta_files: dict[str, str] | None,
+           rank_payload: dict | None = None, keep_last: int = 0) -> Path:
+    """The atomic protocol every checkpoint uses: write into iter_X.tmp, wait for every rank,
+    then rank 0 adds the metadata, renames the directory and replaces ``latest``."""
     final = root / _iter_name(iteration)
     tmp = root / (final.name + ".tmp")
     rank = dist.get_rank()
@@ -72,15 +71,15 @@ def save(ckpt_dir: str, iteration: int, model, optimizer, scheduler, data_state:
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     dist.barrier()
-    dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(tmp))
-    (tmp / "rank_state").mkdir(exist_ok=True)
-    torch.save({"rng": _rng_state(), "data": data_state}, tmp / "rank_state" / f"rank{rank:05d}.pt")
+    dist_checkpointing.save(sharded, str(tmp))
+    if rank_payload is not None:
+        (tmp / "rank_state").mkdir(exist_ok=True)
+        torch.save(rank_payload, tmp / "rank_state" / f"rank{rank:05d}.pt")
     dist.barrier()
     if rank == 0:
-        trainer = {"iteration": iteration, "scheduler": scheduler.state_dict(), "world_size": dist.get_world_size()}
         for name, text in (meta_files or {}).items():
             (tmp / name).write_text(text)
-        (tmp / "trainer_state.json").write_text(json.dumps(trainer))
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer))  # last: marks the dir complete
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -91,6 +90,15 @@ def save(ckpt_dir: str, iteration: int, model, optimizer, scheduler, data_state:
         log.info("saved checkpoint %s", final)
     dist.barrier()
     return final
+
+
+def save(ckpt_dir: str, iteration: int, model, optimizer, scheduler, data_state: dict, keep_last: int = 0,
+         meta_files: dict[str, str] | None = None) -> Path:
+    """A training checkpoint. meta_files: small text files written beside the weights
+    (model_config.json, hf_config.json) so export and later tools know the architecture."""
+    trainer = {"iteration": iteration, "scheduler": scheduler.state_dict(), "world_size": dist.get_world_size()}
+    return _write(Path(ckpt_dir), iteration, _sharded_state(model, optimizer, is_loading=False), trainer,
+                  meta_files, {"rng": _rng_state(), "data": data_state}, keep_last)
 
 
 def _prune(root: Path, keep_last: int) -> None:
@@ -123,29 +131,9 @@ def resolve(load: str, ckpt_dir: str | None) -> Path | None:
 def save_weights(ckpt_dir: str | Path, model, extra: dict | None = None,
                  meta_files: dict[str, str] | None = None) -> Path:
     """A weights-only checkpoint (e.g. converted from Hugging Face): training starts at step 0
-    from these weights with a fresh optimizer. Same atomic tmp-then-rename protocol as save()."""
-    root = Path(ckpt_dir)
-    final = root / _iter_name(0)
-    tmp = root / (final.name + ".tmp")
-    rank = dist.get_rank()
-    if rank == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    dist_checkpointing.save({"model": model.sharded_state_dict()}, str(tmp))
-    dist.barrier()
-    if rank == 0:
-        for name, text in (meta_files or {}).items():
-            (tmp / name).write_text(text)
-        (tmp / "trainer_state.json").write_text(json.dumps({"iteration": 0, "weights_only": True, **(extra or {})}))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        (root / "latest.tmp").write_text(final.name)
-        os.replace(root / "latest.tmp", root / "latest")
-    dist.barrier()
-    return final
+    from these weights with a fresh optimizer."""
+    trainer = {"iteration": 0, "weights_only": True, **(extra or {})}
+    return _write(Path(ckpt_dir), 0, {"model": model.sharded_state_dict()}, trainer, meta_files)
 
 
 def load_weights(path: Path, model) -> dict:
