@@ -331,3 +331,18 @@ def test_training_runs_on_cord_format_data(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(x) for x in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(0 < r["loss"] < 20 for r in rows)
+
+
+def test_inspect_json_shows_exactly_the_supervised_answer(cord, tok, tmp_path, capsys):
+    from data.inspect import main as inspect_main
+
+    tok.save_pretrained(tmp_path / "tok")
+    rc = inspect_main(["--config", "configs/qwen35_vl_proxy_cord.yaml", "--num", "2", "--json",
+                       f"data.path={cord[0]}", f"data.tokenizer={tmp_path / 'tok'}"])
+    assert rc == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["index"] for r in rows] == [0, 1]
+    for r, gt in zip(rows, cord[1]["gt"]["train"]):
+        assert r["supervised_text"] == json.dumps(gt, ensure_ascii=False) + "<|im_end|>"
+        (t, h, w), = r["image_grid_thw"]
+        assert r["num_image_tokens"] == t * h * w // 4

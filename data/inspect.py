@@ -1,0 +1,104 @@
+"""Look at what the model will be trained on.
+
+    python -m data.inspect --config configs/qwen35_vl_proxy_cord.yaml [key=value ...] --num 3 [--json]
+
+Prints the first N usable samples of ``data.split`` in dataset order (``--start`` to begin
+elsewhere): the conversation with the supervised tokens in [[double brackets]] (or colour on a
+terminal), runs of image tokens collapsed, token counts and image grids. ``--json`` prints one
+object per sample with ``index, num_tokens, num_supervised, supervised_text, num_image_tokens,
+image_grid_thw``. Supervised tokens are the *labels* whose loss mask is 1 (labels are the inputs
+shifted left by one), so this shows exactly what the loss sees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from data.loader import build_dataset, load_tokenizer
+from multimodal.config import ConfigError, load_config, resolve_sources, validate
+
+
+def supervised_positions(sample) -> list[int]:
+    """Token positions whose prediction is trained: t + 1 for every t with loss_mask[t] == 1."""
+    return [t + 1 for t in sample["loss_mask"].nonzero().flatten().tolist()]
+
+
+def _decoder(cfg):
+    m = cfg.model
+    names = {m.image_token_id: "<|image_pad|>", m.vision_start_token_id: "<|vision_start|>",
+             m.vision_end_token_id: "<|vision_end|>", m.im_start_token_id: "<|im_start|>",
+             m.im_end_token_id: "<|im_end|>"}
+    if cfg.data.tokenizer:
+        tok = load_tokenizer(cfg.data)
+        return lambda ids: tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    return lambda ids: " ".join(names.get(i, str(i)) for i in ids) + " "  # mock data: ids
+
+
+def render(sample, decode, image_token_id: int, color: bool) -> str:
+    ids = sample["input_ids"].tolist()
+    sup = set(supervised_positions(sample))
+    on, off = ("\033[1;32m", "\033[0m") if color else ("[[", "]]")
+    out, i = [], 0
+    while i < len(ids):
+        j = i
+        while j < len(ids) and (j in sup) == (i in sup) and (ids[j] == image_token_id) == (ids[i] == image_token_id):
+            j += 1
+        text = f"<|image_pad|>x{j - i}" if ids[i] == image_token_id else decode(ids[i:j])
+        out.append(f"{on}{text}{off}" if i in sup else text)
+        i = j
+    return "".join(out)
+
+
+def describe(sample, decode, image_token_id: int) -> dict:
+    labels_sup = [sample["input_ids"][p].item() for p in supervised_positions(sample)]
+    return {
+        "index": sample["index"],
+        "num_tokens": len(sample["input_ids"]),
+        "num_supervised": len(labels_sup),
+        "supervised_text": decode(labels_sup),
+        "num_image_tokens": int((sample["input_ids"] == image_token_id).sum()),
+        "image_grid_thw": sample["image_grid_thw"].tolist(),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--num", type=int, default=3)
+    ap.add_argument("--start", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    try:
+        cfg = resolve_sources(load_config(args.config, args.overrides))
+        validate(cfg)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    ds = build_dataset(cfg.model, cfg.data, cfg.train.seq_length)
+    decode = _decoder(cfg)
+    image_id = cfg.model.image_token_id
+    shown, index = 0, args.start
+    while shown < args.num and index < len(ds):
+        sample = ds[index]
+        index += 1
+        if sample is None:  # skipped (and counted) by the dataset
+            continue
+        shown += 1
+        info = describe(sample, decode, image_id)
+        if args.json:
+            print(json.dumps(info, ensure_ascii=False))
+            continue
+        print(f"--- sample {info['index']}: {info['num_tokens']} tokens, {info['num_supervised']} supervised, "
+              f"{info['num_image_tokens']} image tokens, grids {info['image_grid_thw']}")
+        print(render(sample, decode, image_id, color=sys.stdout.isatty()))
+    skipped = dict(getattr(ds, "skipped", {}) or {})
+    if skipped and not args.json:
+        print(f"--- skipped while reading: {skipped}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
