@@ -24,6 +24,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from data.loader import MicroBatchIterator, build_dataset
+from data.prefetch import Prefetcher
 from models import get_model_builder
 from multimodal import checkpointing
 from multimodal.config import Config, ConfigError, resolve_sources, validate
@@ -153,6 +154,17 @@ def _train(cfg: Config, rt: Runtime) -> TrainResult:
             if data_state is not None:
                 loader.load_state_dict(data_state)
 
+    depth = cfg.data.prefetch if cfg.data.prefetch is not None else (2 if rt.is_cuda else 0)
+    batches = Prefetcher(loader, depth) if depth else loader
+    try:
+        return _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microbatches, dtype)
+    finally:
+        if batches is not loader:
+            batches.close()
+
+
+def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microbatches, dtype) -> TrainResult:
+    t, m, ck = cfg.train, cfg.model, cfg.checkpoint
     sink = MetricsSink(cfg.logging, rt.is_main, t.iters, start, cfg.to_dict())
     fwd_bwd = get_forward_backward_func()
     peak = device_peak_tflops(cfg.logging.peak_tflops)
@@ -168,7 +180,7 @@ def _train(cfg: Config, rt: Runtime) -> TrainResult:
         step = ForwardStep(rt.device, dtype)
         outputs = fwd_bwd(
             forward_step_func=step,
-            data_iterator=loader,
+            data_iterator=batches,
             model=[ddp],
             num_microbatches=num_microbatches,
             seq_length=t.seq_length,
@@ -190,7 +202,7 @@ def _train(cfg: Config, rt: Runtime) -> TrainResult:
             report.zero_()
             window = _Window()
         if ck.dir and ((ck.interval and it % ck.interval == 0) or (it == t.iters and ck.save_at_end)):
-            checkpointing.save(ck.dir, it, model, optimizer, scheduler, loader.state_dict(), ck.keep_last,
+            checkpointing.save(ck.dir, it, model, optimizer, scheduler, batches.state_dict(), ck.keep_last,
                                meta_files=checkpoint_meta(cfg))
         result.last_iteration = it
     sink.close()

@@ -256,3 +256,39 @@ def test_image_class_is_visible(ds):
     for c in range(D.num_classes):
         mean = ds._image(rng, c, 32, 64).mean(dim=(1, 2)).numpy()
         assert int(np.argmin(np.linalg.norm(ds.colours - mean, axis=1))) == c
+
+
+# ---------------------------------------------------------------- background prefetch
+
+
+def test_prefetcher_yields_the_same_batches_and_reports_consumed_state(ds):
+    from data.prefetch import Prefetcher
+
+    def loader():
+        return MicroBatchIterator(ds, S, M.pad_token_id, M.image_token_id, MERGE, True, 1, 0, 1)
+
+    plain, fetched = loader(), Prefetcher(loader(), depth=3, pin_memory=False)
+    try:
+        for _ in range(4):
+            a, b = next(plain), next(fetched)
+            assert torch.equal(a["tokens"], b["tokens"]) and a["sample_lengths"] == b["sample_lengths"]
+            # the state is that of the batches handed out, although more were built already
+            assert fetched.state_dict() == plain.state_dict()
+    finally:
+        fetched.close()
+
+
+def test_prefetcher_raises_loader_errors_in_the_trainer():
+    from data.prefetch import Prefetcher
+
+    class Broken:
+        def state_dict(self):
+            return {}
+
+        def __next__(self):
+            raise ValueError("sample 7 is longer than train.seq_length")
+
+    p = Prefetcher(Broken(), pin_memory=False)
+    with pytest.raises(ValueError, match="sample 7"):
+        next(p)
+    p.close()

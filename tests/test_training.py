@@ -53,8 +53,9 @@ def test_proxy_recipe_loss_falls_and_metrics_are_complete(tmp_path):
 
 
 def test_resume_reproduces_the_uninterrupted_run(tmp_path):
+    # data.prefetch=2: checkpoints must record the batches consumed, not the ones built ahead
     common = ["train.seq_length=256", "train.global_batch_size=1", "train.iters=20",
-              "data.max_image_side=64", "data.max_text_tokens=48"]
+              "data.max_image_side=64", "data.max_text_tokens=48", "data.prefetch=2"]
     full = _train(tmp_path / "full", *common, f"checkpoint.dir={tmp_path / 'ck_full'}", "checkpoint.interval=10")
     first = _train(tmp_path / "a", *common, "train.iters=10", "optimizer.decay_iters=20",
                    f"checkpoint.dir={tmp_path / 'ck'}")
