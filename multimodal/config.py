@@ -83,6 +83,10 @@ class ModelConfig:
     gdn_backend: str = "auto"  # auto | fla | torch
     vision: VisionConfig = field(default_factory=VisionConfig)
 
+    def is_full_attention(self, layer: int) -> bool:
+        """The hybrid pattern: layer i is gated full attention when (i+1) % interval == 0, else GDN."""
+        return (layer + 1) % self.full_attention_interval == 0
+
 
 @dataclass
 class DataConfig:

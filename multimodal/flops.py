@@ -20,7 +20,7 @@ CHUNK = 64
 def decoder_flops_per_token(m) -> tuple[float, float]:
     """(forward FLOPs per token excluding attention scores, attention-score FLOPs per pair)."""
     h = m.hidden_size
-    n_attn = sum(1 for i in range(m.num_layers) if (i + 1) % m.full_attention_interval == 0)
+    n_attn = sum(1 for i in range(m.num_layers) if m.is_full_attention(i))
     n_gdn = m.num_layers - n_attn
     q = m.num_attention_heads * m.head_dim
     kv = m.num_query_groups * m.head_dim

@@ -136,10 +136,6 @@ def _gdn_sizes(m: ModelConfig) -> list[int]:
     return [2 * qk + vd, vd, m.linear_num_value_heads, m.linear_num_value_heads]
 
 
-def _is_attention(m: ModelConfig, i: int) -> bool:
-    return (i + 1) % m.full_attention_interval == 0
-
-
 def _vision_pairs(m: ModelConfig) -> list[tuple[str, str]]:
     """(our name, HF name) for vision tensors copied as they are (patch_embed is reshaped)."""
     pairs = [("pos_embed.weight", "pos_embed.weight"), ("patch_embed.bias", "patch_embed.proj.bias")]
@@ -175,7 +171,7 @@ def _layer_pairs(m: ModelConfig, i: int) -> list[tuple[str, list[str]]]:
     o, h = f"language_model.decoder.layers.{i}", f"{HF_PREFIX}layers.{i}"
     pairs = [(f"{o}.input_layernorm.weight", [f"{h}.input_layernorm.weight"]),
              (f"{o}.pre_mlp_layernorm.weight", [f"{h}.post_attention_layernorm.weight"])]
-    if _is_attention(m, i):
+    if m.is_full_attention(i):
         a = f"{h}.self_attn"
         pairs += [(f"{o}.self_attention.q_layernorm.weight", [f"{a}.q_norm.weight"]),
                   (f"{o}.self_attention.k_layernorm.weight", [f"{a}.k_norm.weight"]),
@@ -210,7 +206,7 @@ def hf_to_ours(hf: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.T
     for i in range(m.num_layers):
         for ours, names in _layer_pairs(m, i):
             out[ours] = torch.cat([get(n) for n in names]) if len(names) > 1 else get(names[0])
-        if _is_attention(m, i):
+        if m.is_full_attention(i):
             a = f"{HF_PREFIX}layers.{i}.self_attn"
             out[f"language_model.decoder.layers.{i}.self_attention.linear_qkv.weight"] = _attn_qkv_from_hf(
                 get(f"{a}.q_proj.weight"), get(f"{a}.k_proj.weight"), get(f"{a}.v_proj.weight"), m)
@@ -237,7 +233,7 @@ def ours_to_hf(ours: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch
                 hf.update(zip(names, torch.split(t, _gdn_sizes(m))))
             else:  # GLU fc1: [gate | up]
                 hf.update(zip(names, torch.chunk(t, 2)))
-        if _is_attention(m, i):
+        if m.is_full_attention(i):
             a = f"{HF_PREFIX}layers.{i}.self_attn"
             q, k, v = _attn_qkv_to_hf(ours[f"language_model.decoder.layers.{i}.self_attention.linear_qkv.weight"], m)
             hf[f"{a}.q_proj.weight"], hf[f"{a}.k_proj.weight"], hf[f"{a}.v_proj.weight"] = q, k, v
@@ -282,7 +278,7 @@ def hf_config_from_ours(m: ModelConfig) -> dict:
         "linear_value_head_dim": m.linear_value_head_dim,
         "linear_num_key_heads": m.linear_num_key_heads,
         "linear_num_value_heads": m.linear_num_value_heads,
-        "layer_types": ["full_attention" if _is_attention(m, i) else "linear_attention" for i in range(m.num_layers)],
+        "layer_types": ["full_attention" if m.is_full_attention(i) else "linear_attention" for i in range(m.num_layers)],
         "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta,
                             "partial_rotary_factor": m.partial_rotary_factor,
                             "mrope_section": list(m.mrope_section), "mrope_interleaved": m.mrope_interleaved},

@@ -23,8 +23,6 @@ from models.qwen35_vl.attention import CoreAttention, MRopeSelfAttention
 from models.qwen35_vl.gdn import Qwen35GatedDeltaNet
 
 
-def layer_kinds(num_layers: int, full_attention_interval: int) -> list[str]:
-    return ["attention" if (i + 1) % full_attention_interval == 0 else "gdn" for i in range(num_layers)]
 
 
 def _mixer_spec(kind: str) -> ModuleSpec:
@@ -63,6 +61,8 @@ def layer_spec(kind: str, num_experts: int | None) -> ModuleSpec:
     )
 
 
-def decoder_block_spec(num_layers: int, full_attention_interval: int, num_experts: int | None):
-    specs = [layer_spec(k, num_experts) for k in layer_kinds(num_layers, full_attention_interval)]
+def decoder_block_spec(m) -> TransformerBlockSubmodules:
+    """One spec per layer of the model section ``m`` (its hybrid pattern, dense or MoE)."""
+    kinds = ["attention" if m.is_full_attention(i) else "gdn" for i in range(m.num_layers)]
+    specs = [layer_spec(k, m.num_experts or None) for k in kinds]
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=RMSNorm)
