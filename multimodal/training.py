@@ -114,7 +114,7 @@ def train(cfg: Config) -> TrainResult:
         # megatron's distributed optimizer checks parameter types against torch.cuda.* tensors.
         raise ConfigError("parallel.use_distributed_optimizer=true needs CUDA devices; "
                           "set it to false for CPU runs")
-    p, t = cfg.parallel, cfg.train
+    p = cfg.parallel
     ps.initialize_model_parallel(
         tensor_model_parallel_size=p.tp,
         pipeline_model_parallel_size=p.pp,
