@@ -41,6 +41,16 @@ class Qwen35GatedDeltaNet(GatedDeltaNet):
                 cu_seqlens = packed_seq_params.cu_seqlens_q
 
         proj, _ = self.in_proj(hidden_states)  # [S, B, D_local] (S gathered under SP)
+        q, k, v, g, beta, z = self.prepare(proj, cu_seqlens)
+        core = gdr.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, self.kernel_backend)  # [B, S, nv, V]
+        return self.out_proj(self.norm_out(core, z))
+
+    def prepare(self, proj: torch.Tensor, cu_seqlens: torch.Tensor | None):
+        """in_proj output [S, B, D_local] -> delta-rule inputs (q, k, v, g, beta) and the gate z.
+
+        q, k [B, S, nv, K] (l2-normed, repeated to the value heads), v and z [B, S, nv, V],
+        g (log-space decay, fp32) and beta [B, S, nv].
+        """
         proj = proj.transpose(0, 1)  # [B, S, D_local]
         batch, seq = proj.shape[:2]
         qk, vd = self.qk_dim_local_tp, self.v_dim_local_tp
@@ -58,9 +68,11 @@ class Qwen35GatedDeltaNet(GatedDeltaNet):
 
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        core = gdr.chunk_gated_delta_rule(
-            q.contiguous(), k.contiguous(), v.contiguous(), g, beta, cu_seqlens, self.kernel_backend
-        )  # [B, S, nv, V]
-        out = self.out_norm(core, z.reshape(batch, seq, nv, self.value_head_dim))
-        out = out.reshape(batch, seq, -1).transpose(0, 1).contiguous()
-        return self.out_proj(out)
+        z = z.reshape(batch, seq, nv, self.value_head_dim)
+        return q.contiguous(), k.contiguous(), v.contiguous(), g, beta, z
+
+    def norm_out(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Gated RMSNorm of the delta-rule output [B, S, nv, V] -> [S, B, nv*V] for out_proj."""
+        out = self.out_norm(core, z)
+        batch, seq = out.shape[:2]
+        return out.reshape(batch, seq, -1).transpose(0, 1).contiguous()
