@@ -1,0 +1,365 @@
+"""Fused pre-gated-delta-rule chain: in_proj output -> (q, k, v, g, beta), one Triton kernel each way.
+
+Unfused (``Qwen35GatedDeltaNet.prepare``): causal depthwise conv1d, SiLU, split, two l2
+norms, repeat_interleave of key heads, contiguous copies, sigmoid, softplus, exp: each a
+pass over memory, and autograd keeps most intermediates. Here:
+
+- forward: one program per (block of tokens, head); the head is a q, k or v channel
+  group of the conv. It reads its channels at t-3..t (the halo comes from cache), applies
+  conv + SiLU in fp32, l2-normalises q/k heads, writes them to every value head they
+  serve, and (v programs) writes g and beta for that head.
+- backward: recomputes instead of saving. For each token it rebuilds the conv output at
+  t..t+3 from x at t-3..t+3 (still one DRAM read of x), gets du there (SiLU and l2-norm
+  backward, summing the repeated q/k heads' gradients), and folds the taps:
+  dx[t] = sum_j w[3-j] du[t+j]. Weight, A_log and dt_bias gradients are per-program fp32
+  partial sums reduced by torch (deterministic). Saved tensors: the inputs only (views of
+  the in_proj output, which is alive anyway).
+
+Packed rows (B == 1 with ``cu_seqlens``): the conv reads and the tap folding never cross a
+sample boundary; each token finds its sample from cu_seqlens on the device (no host sync).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from kernels.gated_delta_rule import causal_conv1d_silu_ref, l2norm
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs without triton: the reference still works
+    triton = None
+
+EPS = 1e-6  # l2norm eps of the reference (inside the rsqrt)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def pre_gdr_reference(qkv, b, a, weight, A_log, dt_bias, cu_seqlens, num_k_heads: int, head_k_dim: int,
+                      head_v_dim: int):
+    """The unfused path of Qwen35GatedDeltaNet.prepare (PyTorch backend), minus z.
+
+    qkv [B, S, 2*nk*K + nv*V], b and a [B, S, nv], weight [C, W]. Returns q, k [B, S, nv, K],
+    v [B, S, nv, V], g fp32 [B, S, nv], beta [B, S, nv].
+    """
+    batch, seq = qkv.shape[:2]
+    qk = num_k_heads * head_k_dim
+    nv = b.shape[-1]
+    qkv = causal_conv1d_silu_ref(qkv, weight, cu_seqlens)
+    q, k, v = torch.split(qkv, [qk, qk, qkv.shape[-1] - 2 * qk], dim=-1)
+    q = l2norm(q.reshape(batch, seq, -1, head_k_dim))
+    k = l2norm(k.reshape(batch, seq, -1, head_k_dim))
+    v = v.reshape(batch, seq, nv, head_v_dim)
+    if nv != num_k_heads:
+        q, k = q.repeat_interleave(nv // num_k_heads, dim=2), k.repeat_interleave(nv // num_k_heads, dim=2)
+    beta = b.sigmoid()
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return q.contiguous(), k.contiguous(), v.contiguous(), g, beta
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def available(qkv: torch.Tensor, weight: torch.Tensor, num_k_heads: int, num_v_heads: int) -> str | None:
+    """None when the fused kernels can run on these inputs, else the reason (for the fallback warning)."""
+    if triton is None:
+        return "triton is not installed"
+    if not qkv.is_cuda and not interpreting():
+        return "tensor is not on a CUDA device (set TRITON_INTERPRET=1 to run Triton on CPU)"
+    if qkv.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"dtype {qkv.dtype} is not fp32/bf16/fp16"
+    if weight.shape[-1] != 4:
+        return f"conv kernel size {weight.shape[-1]} (the kernel is written for 4)"
+    if num_v_heads % num_k_heads:
+        return f"value heads {num_v_heads} not a multiple of key heads {num_k_heads}"
+    return None
+
+
+# ----------------------------------------------------------------------------- kernels
+
+if triton is not None:
+
+    def _configs(block_ts):
+        if interpreting():  # several configs cannot be benchmarked without a GPU; big blocks = fewer
+            return [triton.Config({"BLOCK_T": 32}, num_warps=4)]  # interpreted ops (the slow part)
+        return [triton.Config({"BLOCK_T": t}, num_warps=w) for t in block_ts for w in (4, 8)]
+
+    @triton.jit
+    def _sample_bounds(cu_ptr, n_cu, s, S, VARLEN: tl.constexpr, BLOCK_CU: tl.constexpr):
+        """[start, end) of the sample holding each token s (whole row without cu_seqlens)."""
+        if VARLEN:
+            j = tl.arange(0, BLOCK_CU)
+            cu = tl.load(cu_ptr + j, mask=j < n_cu, other=0).to(tl.int64)
+            valid = j[None, :] < n_cu
+            start = tl.max(tl.where(valid & (cu[None, :] <= s[:, None]), cu[None, :], 0), axis=1)
+            end = tl.min(tl.where(valid & (cu[None, :] > s[:, None]), cu[None, :], S), axis=1)
+        else:
+            start = tl.zeros_like(s)
+            end = tl.zeros_like(s) + S
+        return start, end
+
+    @triton.jit
+    def _softplus(x):
+        # torch's softplus (threshold 20) with an accurate log1p for small exp(-|x|)
+        e = tl.exp(-tl.abs(x))
+        u = 1.0 + e
+        log1p = tl.where(u == 1.0, e, tl.log(u) * e / (u - 1.0))
+        return tl.where(x > 20.0, x, tl.maximum(x, 0.0) + log1p)
+
+    @triton.autotune(configs=_configs((8, 16, 32)), key=["C", "NK", "NV", "K", "V", "VARLEN"])
+    @triton.jit
+    def _pre_gdr_fwd(
+        x_ptr, w_ptr, b_ptr, a_ptr, alog_ptr, dt_ptr, cu_ptr,
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
+        S, n_cu, sxb, sxs, sbb, sbs, sab, sas,
+        C: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+        VARLEN: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_CU: tl.constexpr, BLOCK_T: tl.constexpr,
+    ):
+        pid_t, head, bi = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        s = pid_t * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+        smask = s < S
+        start, end = _sample_bounds(cu_ptr, n_cu, s, S, VARLEN, BLOCK_CU)
+        is_v = head >= 2 * NK
+        c0 = tl.where(is_v, 2 * NK * K + (head - 2 * NK) * V, head * K)
+        width = tl.where(is_v, V, K)
+        cc = tl.arange(0, BLOCK_C)
+        cmask = cc < width
+        c = c0 + cc
+        xrow = x_ptr + bi * sxb + s[:, None] * sxs + c[None, :]
+        u = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        for i in tl.static_range(4):  # out[t] = sum_i w[3-i] x[t-i] within the sample
+            w = tl.load(w_ptr + c * 4 + (3 - i), mask=cmask, other=0.0).to(tl.float32)
+            m = (smask & (s - i >= start))[:, None] & cmask[None, :]
+            u += w[None, :] * tl.load(xrow - i * sxs, mask=m, other=0.0).to(tl.float32)
+        y = u * tl.sigmoid(u)
+        om = smask[:, None] & cmask[None, :]
+        tok = (bi * S + s)[:, None]
+        if is_v:
+            hv = head - 2 * NK
+            tl.store(v_ptr + (tok * NV + hv) * V + cc[None, :], y.to(v_ptr.dtype.element_ty), mask=om)
+            bv = tl.load(b_ptr + bi * sbb + s * sbs + hv, mask=smask, other=0.0).to(tl.float32)
+            av = tl.load(a_ptr + bi * sab + s * sas + hv, mask=smask, other=0.0).to(tl.float32)
+            alog = tl.load(alog_ptr + hv).to(tl.float32)
+            dt = tl.load(dt_ptr + hv).to(tl.float32)
+            g = -tl.exp(alog) * _softplus(av + dt)
+            tl.store(g_ptr + (bi * S + s) * NV + hv, g, mask=smask)
+            tl.store(beta_ptr + (bi * S + s) * NV + hv, tl.sigmoid(bv).to(beta_ptr.dtype.element_ty), mask=smask)
+        else:
+            r = tl.rsqrt(tl.sum(y * y, axis=1) + 1e-6)
+            y = y * r[:, None]
+            out_ptr = q_ptr
+            hk = head
+            if head >= NK:
+                out_ptr = k_ptr
+                hk = head - NK
+            REP: tl.constexpr = NV // NK
+            for j in tl.static_range(REP):  # the key head serves REP value heads
+                tl.store(out_ptr + (tok * NV + hk * REP + j) * K + cc[None, :],
+                         y.to(out_ptr.dtype.element_ty), mask=om)
+
+
+    @triton.jit
+    def _conv_bwd_head(
+        x_ptr, w_ptr, cu_ptr, dy_ptr, dx_ptr, dw_part, bi, pid_t, n_pt, S, n_cu, sxb, sxs,
+        c0, hout, C: tl.constexpr, NV: tl.constexpr, WIDTH: tl.constexpr, REP: tl.constexpr,
+        NORM: tl.constexpr, VARLEN: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_CU: tl.constexpr,
+        BLOCK_T: tl.constexpr, ITERS: tl.constexpr,
+    ):
+        """dx and partial dw for one channel group (a q, k or v head) over ITERS token blocks."""
+        cc = tl.arange(0, BLOCK_C)
+        cmask = cc < WIDTH
+        c = c0 + cc
+        dw0 = tl.zeros([BLOCK_C], dtype=tl.float32)  # dw0..3: gradient of w[:, 3-i] from shift -i
+        dw1 = tl.zeros([BLOCK_C], dtype=tl.float32)
+        dw2 = tl.zeros([BLOCK_C], dtype=tl.float32)
+        dw3 = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for it in range(ITERS):
+            s = (pid_t * ITERS + it) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+            smask = s < S
+            start, end = _sample_bounds(cu_ptr, n_cu, s, S, VARLEN, BLOCK_CU)
+            xrow = x_ptr + bi * sxb + s[:, None] * sxs + c[None, :]
+            dx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+            for j in tl.static_range(4):  # dx[s] = sum_j w[3-j] du[s+j], du rebuilt at s+j
+                t = s + j
+                valid = smask & (t < end)
+                u = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+                for i in tl.static_range(4):
+                    w = tl.load(w_ptr + c * 4 + (3 - i), mask=cmask, other=0.0).to(tl.float32)
+                    m = (valid & (t - i >= start))[:, None] & cmask[None, :]
+                    u += w[None, :] * tl.load(xrow + (j - i) * sxs, mask=m, other=0.0).to(tl.float32)
+                sig = tl.sigmoid(u)
+                y = u * sig
+                vm = valid[:, None] & cmask[None, :]
+                gy = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+                for r in tl.static_range(REP):  # the repeated heads' gradients add up
+                    gy += tl.load(dy_ptr + ((bi * S + t[:, None]) * NV + hout + r) * WIDTH + cc[None, :],
+                                  mask=vm, other=0.0).to(tl.float32)
+                if NORM:  # n = y * rsqrt(|y|^2 + eps): dy = rstd * (gn - n * <n, gn>)
+                    rstd = tl.rsqrt(tl.sum(y * y, axis=1) + 1e-6)
+                    n = y * rstd[:, None]
+                    gy = rstd[:, None] * (gy - n * tl.sum(n * gy, axis=1)[:, None])
+                du = tl.where(vm, gy * sig * (1.0 + u * (1.0 - sig)), 0.0)
+                wj = tl.load(w_ptr + c * 4 + (3 - j), mask=cmask, other=0.0).to(tl.float32)
+                dx += wj[None, :] * du
+                if j == 0:  # each token's du meets the x it was made from: the weight gradient
+                    for i in tl.static_range(4):
+                        m = (smask & (s - i >= start))[:, None] & cmask[None, :]
+                        xs = tl.load(xrow - i * sxs, mask=m, other=0.0).to(tl.float32)
+                        part = tl.sum(du * xs, axis=0)
+                        if i == 0:
+                            dw0 += part
+                        elif i == 1:
+                            dw1 += part
+                        elif i == 2:
+                            dw2 += part
+                        else:
+                            dw3 += part
+            tl.store(dx_ptr + (bi * S + s[:, None]) * C + c[None, :], dx.to(dx_ptr.dtype.element_ty),
+                     mask=smask[:, None] & cmask[None, :])
+        prow = dw_part + (bi * n_pt + pid_t) * C * 4 + c * 4
+        tl.store(prow + 3, dw0, mask=cmask)
+        tl.store(prow + 2, dw1, mask=cmask)
+        tl.store(prow + 1, dw2, mask=cmask)
+        tl.store(prow + 0, dw3, mask=cmask)
+
+    @triton.autotune(configs=_configs((8, 16)), key=["C", "NK", "NV", "K", "V", "VARLEN", "TPP"])
+    @triton.jit
+    def _pre_gdr_bwd(
+        x_ptr, w_ptr, b_ptr, a_ptr, alog_ptr, dt_ptr, cu_ptr,
+        dq_ptr, dk_ptr, dv_ptr, dg_ptr, dbeta_ptr,
+        dx_ptr, db_ptr, da_ptr, dw_part, dalog_part, ddt_part,
+        S, n_cu, sxb, sxs, sbb, sbs, sab, sas,
+        C: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+        VARLEN: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_CU: tl.constexpr, TPP: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+    ):
+        # each program owns TPP tokens (fixed by the caller, so the partial-sum buffers do not
+        # depend on the tuned BLOCK_T) of one head, walked BLOCK_T at a time
+        pid_t, head, bi = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+        n_pt = tl.num_programs(0)
+        REP: tl.constexpr = NV // NK
+        ITERS: tl.constexpr = TPP // BLOCK_T
+        if head < NK:
+            _conv_bwd_head(x_ptr, w_ptr, cu_ptr, dq_ptr, dx_ptr, dw_part, bi, pid_t, n_pt, S, n_cu, sxb, sxs,
+                           head * K, head * REP, C, NV, K, REP, True, VARLEN, BLOCK_C, BLOCK_CU, BLOCK_T, ITERS)
+        elif head < 2 * NK:
+            _conv_bwd_head(x_ptr, w_ptr, cu_ptr, dk_ptr, dx_ptr, dw_part, bi, pid_t, n_pt, S, n_cu, sxb, sxs,
+                           head * K, (head - NK) * REP, C, NV, K, REP, True, VARLEN, BLOCK_C, BLOCK_CU, BLOCK_T,
+                           ITERS)
+        else:
+            hv = head - 2 * NK
+            _conv_bwd_head(x_ptr, w_ptr, cu_ptr, dv_ptr, dx_ptr, dw_part, bi, pid_t, n_pt, S, n_cu, sxb, sxs,
+                           2 * NK * K + hv * V, hv, C, NV, V, 1, False, VARLEN, BLOCK_C, BLOCK_CU, BLOCK_T, ITERS)
+            # gates of value head hv: beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)
+            e_a = tl.exp(tl.load(alog_ptr + hv).to(tl.float32))
+            dt = tl.load(dt_ptr + hv).to(tl.float32)
+            acc_alog = tl.zeros([BLOCK_T], dtype=tl.float32)
+            acc_dt = tl.zeros([BLOCK_T], dtype=tl.float32)
+            for it in range(ITERS):
+                s = (pid_t * ITERS + it) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+                smask = s < S
+                o = (bi * S + s) * NV + hv
+                beta = tl.sigmoid(tl.load(b_ptr + bi * sbb + s * sbs + hv, mask=smask, other=0.0).to(tl.float32))
+                dbeta = tl.load(dbeta_ptr + o, mask=smask, other=0.0).to(tl.float32)
+                tl.store(db_ptr + o, (dbeta * beta * (1.0 - beta)).to(db_ptr.dtype.element_ty), mask=smask)
+                xa = tl.load(a_ptr + bi * sab + s * sas + hv, mask=smask, other=0.0).to(tl.float32) + dt
+                dg = tl.load(dg_ptr + o, mask=smask, other=0.0)
+                da = tl.where(smask, -dg * e_a * tl.sigmoid(xa), 0.0)
+                tl.store(da_ptr + o, da.to(da_ptr.dtype.element_ty), mask=smask)
+                acc_alog += tl.where(smask, -dg * e_a * _softplus(xa), 0.0)
+                acc_dt += da
+            tl.store(dalog_part + (bi * n_pt + pid_t) * NV + hv, tl.sum(acc_alog, axis=0))
+            tl.store(ddt_part + (bi * n_pt + pid_t) * NV + hv, tl.sum(acc_dt, axis=0))
+
+
+def _row_view(t: torch.Tensor) -> torch.Tensor:
+    """Any [B, S, N] view with unit channel stride is read in place; others are copied once."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _cu(cu_seqlens, ref):
+    return (cu_seqlens if cu_seqlens is not None else ref), (cu_seqlens.numel() if cu_seqlens is not None else 2)
+
+
+class _FusedPreGDR(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, b, a, weight, A_log, dt_bias, cu_seqlens, nk, K, V):
+        qkv, b, a = _row_view(qkv), _row_view(b), _row_view(a)
+        weight = weight.contiguous()
+        B, S, C = qkv.shape
+        nv = b.shape[-1]
+        if cu_seqlens is not None and B != 1:
+            raise ValueError("packed (cu_seqlens) input needs one row (B == 1)")
+        dev = qkv.device
+        q = torch.empty(B, S, nv, K, device=dev, dtype=qkv.dtype)
+        k = torch.empty_like(q)
+        v = torch.empty(B, S, nv, V, device=dev, dtype=qkv.dtype)
+        g = torch.empty(B, S, nv, device=dev, dtype=torch.float32)
+        beta = torch.empty(B, S, nv, device=dev, dtype=b.dtype)
+        cu, n_cu = _cu(cu_seqlens, qkv)
+        if B * S:
+            grid = lambda meta: (triton.cdiv(S, meta["BLOCK_T"]), 2 * nk + nv, B)  # noqa: E731
+            _pre_gdr_fwd[grid](
+                qkv, weight, b, a, A_log, dt_bias, cu, q, k, v, g, beta,
+                S, n_cu, qkv.stride(0), qkv.stride(1), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
+                C=C, NK=nk, NV=nv, K=K, V=V, VARLEN=cu_seqlens is not None,
+                BLOCK_C=triton.next_power_of_2(max(K, V)), BLOCK_CU=triton.next_power_of_2(n_cu),
+            )
+        ctx.save_for_backward(qkv, b, a, weight, A_log, dt_bias, cu_seqlens)
+        ctx.dims = (nk, K, V)
+        return q, k, v, g, beta
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv, dg, dbeta):
+        qkv, b, a, weight, A_log, dt_bias, cu_seqlens = ctx.saved_tensors
+        nk, K, V = ctx.dims
+        B, S, C = qkv.shape
+        nv = b.shape[-1]
+        dq, dk, dv, dbeta = (t.contiguous() for t in (dq, dk, dv, dbeta))
+        dg = dg.float().contiguous()
+        dx = torch.empty(B, S, C, device=qkv.device, dtype=qkv.dtype)
+        db = torch.empty(B, S, nv, device=qkv.device, dtype=b.dtype)
+        da = torch.empty(B, S, nv, device=qkv.device, dtype=a.dtype)
+        if B * S == 0:
+            return (torch.zeros_like(qkv), torch.zeros_like(b), torch.zeros_like(a), torch.zeros_like(weight),
+                    torch.zeros_like(A_log), torch.zeros_like(dt_bias), None, None, None, None)
+        cu, n_cu = _cu(cu_seqlens, qkv)
+        tpp = _tokens_per_program(S, B * (2 * nk + nv))
+        n_pt = triton.cdiv(S, tpp)
+        # partial sums per (row, token program): every entry is written once by its program
+        dw_part = torch.empty(B * n_pt, C, 4, device=qkv.device, dtype=torch.float32)
+        alog_part = torch.empty(B * n_pt, nv, device=qkv.device, dtype=torch.float32)
+        dt_part = torch.empty(B * n_pt, nv, device=qkv.device, dtype=torch.float32)
+        _pre_gdr_bwd[(n_pt, 2 * nk + nv, B)](
+            qkv, weight, b, a, A_log, dt_bias, cu, dq, dk, dv, dg, dbeta, dx, db, da, dw_part, alog_part, dt_part,
+            S, n_cu, qkv.stride(0), qkv.stride(1), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
+            C=C, NK=nk, NV=nv, K=K, V=V, VARLEN=cu_seqlens is not None,
+            BLOCK_C=triton.next_power_of_2(max(K, V)), BLOCK_CU=triton.next_power_of_2(n_cu), TPP=tpp,
+        )
+        dw = dw_part.sum(0).to(weight.dtype)
+        dalog = alog_part.sum(0).to(A_log.dtype)
+        ddt = dt_part.sum(0).to(dt_bias.dtype)
+        return dx, db, da, dw, dalog, ddt, None, None, None, None
+
+
+def _tokens_per_program(S: int, rows: int) -> int:
+    """Enough programs to fill the GPU a few times over, few enough that partial sums stay small."""
+    if interpreting():
+        return 32  # one block per program (see _configs)
+    want = triton.next_power_of_2(max(1, S * rows // 2048))
+    return max(32, min(512, want))
+
+
+def fused_pre_gdr(qkv, b, a, weight, A_log, dt_bias, cu_seqlens, num_k_heads: int, head_k_dim: int,
+                  head_v_dim: int):
+    """Same inputs and outputs as ``pre_gdr_reference``, through the fused Triton kernels."""
+    return _FusedPreGDR.apply(qkv, b, a, weight, A_log, dt_bias, cu_seqlens, num_k_heads, head_k_dim, head_v_dim)
