@@ -114,6 +114,7 @@ class CordV2Dataset(torch.utils.data.Dataset):
         self.target_format = target_format
         self.prompt = prompt if prompt is not None else (DEFAULT_PROMPT if target_format == "json" else DONUT_PROMPT)
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
+        self.image_mean, self.image_std = tuple(data_cfg.image_mean), tuple(data_cfg.image_std)
         self.ids = special_token_ids(tokenizer)
         self._check_model_ids(model_cfg)
         self.table, self.files = _read_split(Path(data_cfg.path), split)
@@ -167,7 +168,7 @@ class CordV2Dataset(torch.utils.data.Dataset):
             raise SkipSample("bad_image", f"image does not decode ({type(e).__name__}: {e})") from None
         img = img.resize((w, h), Image.Resampling.BICUBIC)
         x = torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0).permute(2, 0, 1)
-        return patchify(x, self.patch, self.tp, self.merge)
+        return patchify(x, self.patch, self.tp, self.merge, self.image_mean, self.image_std)
 
     # ------------------------------------------------------------------ sample
 

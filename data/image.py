@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import torch
 
-IMAGE_MEAN = 0.5  # Qwen3.5 / Qwen3-VL processor: mean = std = 0.5 for every channel
-IMAGE_STD = 0.5
+IMAGE_MEAN = (0.5, 0.5, 0.5)  # Qwen3.5 / Qwen3-VL processor defaults; a checkpoint's
+IMAGE_STD = (0.5, 0.5, 0.5)  # preprocessor_config.json overrides them (data.image_mean/std)
 
 
 def patchify(
-    image: torch.Tensor, patch_size: int, temporal_patch_size: int, merge: int
+    image: torch.Tensor, patch_size: int, temporal_patch_size: int, merge: int,
+    mean=IMAGE_MEAN, std=IMAGE_STD,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Normalise and cut one image [C, H, W] (values in [0, 1]) into patch rows.
 
@@ -33,7 +34,9 @@ def patchify(
             f"{patch_size}*{merge} = {unit} on both sides; resize or crop it first"
         )
     p, tp, m = patch_size, temporal_patch_size, merge
-    x = (image.to(torch.float32) - IMAGE_MEAN) / IMAGE_STD
+    mean_t = torch.as_tensor(mean, dtype=torch.float32).reshape(-1, 1, 1)
+    std_t = torch.as_tensor(std, dtype=torch.float32).reshape(-1, 1, 1)
+    x = (image.to(torch.float32) - mean_t) / std_t
     frames = x.unsqueeze(0).expand(tp, c, h, w)  # [tp, C, H, W]: the frame repeated
     grid_t, gh, gw = 1, h // p, w // p
     x = frames.reshape(grid_t, tp, c, gh // m, m, p, gw // m, m, p)

@@ -9,6 +9,11 @@ reproduces exactly the batches an uninterrupted run would have produced.
 
 from __future__ import annotations
 
+import collections
+import itertools
+
+import torch
+
 from data.collate import pack_thd, pad_bshd
 
 MIN_SAMPLES_FOR_BAD_CHECK = 20  # judge the bad-row fraction only once it means something
@@ -39,6 +44,43 @@ def load_tokenizer(data_cfg):
     return AutoTokenizer.from_pretrained(data_cfg.tokenizer)
 
 
+class _IndexedRows(torch.utils.data.Dataset):
+    """Worker-side view of the dataset: row i -> (i, sample or None, why it was skipped).
+
+    Skip counters of a dataset copy in a worker process are invisible to the trainer, so the
+    reason travels back with the row and is counted in the main process."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        counter = getattr(self.dataset, "skipped", None)
+        before = collections.Counter(counter) if counter is not None else None
+        sample = self.dataset[index % len(self.dataset)]
+        reason = None
+        if sample is None and counter is not None:
+            grown = counter - before
+            reason = next(iter(grown), None)
+        return index, sample, reason
+
+
+class _StridedIndices(torch.utils.data.Sampler):
+    """start, start+step, ... forever (unwrapped indices; the dataset view wraps them)."""
+
+    def __init__(self, start: int, step: int):
+        self.start, self.step = start, step
+
+    def __iter__(self):
+        return itertools.count(self.start, self.step)
+
+
+def _unbatched(rows):
+    return rows
+
+
 class MicroBatchIterator:
     """Yields collated micro-batches forever.
 
@@ -51,7 +93,7 @@ class MicroBatchIterator:
 
     def __init__(self, dataset, seq_length: int, pad_id: int, image_token_id: int, merge: int,
                  pack: bool, micro_batch_size: int, dp_rank: int, dp_size: int, start_index: int = 0,
-                 max_bad_fraction: float = 0.1):
+                 max_bad_fraction: float = 0.1, num_workers: int = 0):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} must be in [0, dp_size={dp_size})")
         if len(dataset) == 0:
@@ -66,6 +108,26 @@ class MicroBatchIterator:
         self._peeked: tuple[int, dict] | None = None  # cache of the sample at self._next
         self.max_bad_fraction = max_bad_fraction
         self.seen = self.bad = 0  # rows read / rows the dataset skipped, on this rank
+        # num_workers > 0: rows are decoded in worker processes, in order, ahead of use; the
+        # resumable state is still the next *consumed* index, so prefetched rows are not lost.
+        self.num_workers = num_workers
+        self._rows = None  # iterator of (index, sample, skip reason) from the workers
+
+    def _read(self, index: int) -> dict | None:
+        if not self.num_workers:
+            return self.dataset[index % len(self.dataset)]
+        if self._rows is None:
+            loader = torch.utils.data.DataLoader(
+                _IndexedRows(self.dataset), sampler=_StridedIndices(index, self.dp_size), batch_size=None,
+                num_workers=self.num_workers, collate_fn=_unbatched, prefetch_factor=4, persistent_workers=False,
+            )
+            self._rows = iter(loader)
+        got, sample, reason = next(self._rows)
+        if got != index:  # cannot happen unless the sampler and the consumer disagree
+            raise RuntimeError(f"data worker returned row {got}, expected {index}")
+        if sample is None and reason is not None and hasattr(self.dataset, "skipped"):
+            self.dataset.skipped[reason] += 1
+        return sample
 
     def __iter__(self):
         return self
@@ -75,7 +137,7 @@ class MicroBatchIterator:
         corrupt image, bad JSON, ...) are stepped over and counted; a run whose data is mostly
         broken stops with the dataset's reasons instead of training on what is left."""
         while self._peeked is None or self._peeked[0] != self._next:
-            sample = self.dataset[self._next % len(self.dataset)]
+            sample = self._read(self._next)
             self.seen += 1
             if sample is not None:
                 self._peeked = (self._next, sample)
@@ -115,3 +177,4 @@ class MicroBatchIterator:
         if nxt < 0:
             raise ValueError(f"data loader state next_index={nxt} must be >= 0")
         self._next, self._peeked = nxt, None
+        self._rows = None  # workers restart at the restored index

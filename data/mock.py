@@ -37,6 +37,7 @@ class MockDataset(torch.utils.data.Dataset):
         self.m, self.d, self.seq_length = model_cfg, data_cfg, seq_length
         self.patch, self.tp, self.merge = v.patch_size, v.temporal_patch_size, v.spatial_merge_size
         self.unit = self.patch * self.merge
+        self.image_mean, self.image_std = tuple(data_cfg.image_mean), tuple(data_cfg.image_std)
         if data_cfg.min_image_side % self.unit or data_cfg.max_image_side % self.unit:
             raise ValueError(f"data.min_image_side/max_image_side must be multiples of {self.unit}")
         # Ordinary text ids lie below every special token; the two just below them are the
@@ -93,7 +94,8 @@ class MockDataset(torch.utils.data.Dataset):
 
         pixels, grids, image_spans = [], [], []
         for c, (h, w) in zip(classes, sides):
-            pv, thw = patchify(self._image(rng, c, h, w), self.patch, self.tp, self.merge)
+            pv, thw = patchify(self._image(rng, c, h, w), self.patch, self.tp, self.merge,
+                                   self.image_mean, self.image_std)
             pixels.append(pv)
             grids.append(thw)
             k = int(thw.prod()) // self.merge**2

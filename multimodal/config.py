@@ -109,10 +109,16 @@ class DataConfig:
     target_format: str = "json"  # json (gt_parse as JSON, key order kept) | donut (tags)
     min_pixels: int = 4 * 32 * 32  # dynamic resolution: each image is resized into this area range
     max_pixels: int = 256 * 32 * 32
+    # per-channel normalisation; read from preprocessor_config.json beside data.tokenizer when present
+    image_mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
+    image_std: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
     max_bad_fraction: float = 0.1  # stop when more of the rows read than this are unusable
     # micro-batches built ahead in a background thread; None: 2 on GPU, 0 on CPU (where the thread
     # competes with the model for the cores: 30 proxy steps took 78 s with it, 62 s without)
     prefetch: int | None = None
+    # processes that decode/tokenise samples ahead of the trainer (0: in the training process);
+    # worth it for real images (CORD), not for the mock data set
+    num_workers: int = 0
 
 
 @dataclass
@@ -302,6 +308,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _require(0.0 <= d.max_bad_fraction <= 1.0, "data.max_bad_fraction must be in [0, 1]")
     _require(d.prefetch is None or d.prefetch >= 0,
              "data.prefetch must be >= 0 (0 disables the background loader thread) or null (auto)")
+    _require(len(d.image_mean) == 3 and len(d.image_std) == 3 and all(x > 0 for x in d.image_std),
+             "data.image_mean and data.image_std need 3 values (RGB), std > 0")
+    _require(d.num_workers >= 0, "data.num_workers must be >= 0 (0 reads samples in the training process)")
     _require(o.lr_decay_style in ("cosine", "linear", "constant"),
              f"optimizer.lr_decay_style must be cosine|linear|constant, got {o.lr_decay_style!r}")
     _require(o.min_lr <= o.lr, f"optimizer.min_lr ({o.min_lr}) must be <= optimizer.lr ({o.lr})")
@@ -376,7 +385,29 @@ def resolve_sources(cfg: Config) -> Config:
 
         for key, value in special_token_ids(load_tokenizer(cfg.data)).items():
             setattr(cfg.model, key, value)
+        _read_image_processor(cfg)
     return cfg
+
+
+def _read_image_processor(cfg: Config) -> None:
+    """A checkpoint's preprocessor_config.json (beside the tokenizer) fixes normalisation and patching:
+    take its mean/std, and refuse patch sizes that disagree with model.vision (silently wrong inputs)."""
+    path = Path(cfg.data.tokenizer) / "preprocessor_config.json"
+    if not path.is_file():
+        return
+    import json
+
+    pre = json.loads(path.read_text())
+    pre = pre.get("image_processor", pre)  # some checkpoints nest it
+    v = cfg.model.vision
+    for key, ours in (("patch_size", v.patch_size), ("temporal_patch_size", v.temporal_patch_size),
+                      ("merge_size", v.spatial_merge_size)):
+        if key in pre and int(pre[key]) != ours:
+            raise ConfigError(f"{path} has {key}={pre[key]} but the model's vision config has {ours}; "
+                              "point data.tokenizer at the matching checkpoint or fix model.vision")
+    for key in ("image_mean", "image_std"):
+        if key in pre:
+            setattr(cfg.data, key, [float(x) for x in pre[key]])
 
 
 def config_to_yaml(cfg: Config) -> str:

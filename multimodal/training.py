@@ -143,6 +143,7 @@ def _train(cfg: Config, rt: Runtime) -> TrainResult:
     loader = MicroBatchIterator(
         dataset, t.seq_length, m.pad_token_id, m.image_token_id, m.vision.spatial_merge_size,
         cfg.data.pack, t.micro_batch_size, dp_rank, dp_size, max_bad_fraction=cfg.data.max_bad_fraction,
+        num_workers=cfg.data.num_workers,
     )
 
     start = 0

@@ -308,6 +308,68 @@ def test_loader_steps_over_skipped_rows_and_stops_on_mostly_bad_data(cord, model
             next(it)
 
 
+def test_images_equal_transformers_qwen_image_processor(cord, model_cfg, tok):
+    """Resize + normalise + patch order must be what HF's Qwen2-VL/Qwen3.5 processor feeds the
+    released checkpoints (PIL backend, the same smart_resize bounds and mean/std)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    ds = _ds(cord, model_cfg, tok)
+    rng = np.random.default_rng(0)
+    for h, w in [(300, 170), (64, 900), (1000, 1000)]:
+        img = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        buf = io.BytesIO()
+        img.save(buf, format="PNG")
+        ours, grid = ds._image({"bytes": buf.getvalue()})
+        hf = Qwen2VLImageProcessorPil(
+            patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=list(ds.image_mean),
+            image_std=list(ds.image_std), min_pixels=ds.min_pixels, max_pixels=ds.max_pixels,
+        )(images=[img], return_tensors="pt")
+        assert hf["image_grid_thw"][0].tolist() == grid.tolist()
+        torch.testing.assert_close(ours, hf["pixel_values"], rtol=0, atol=1e-6)
+
+
+def test_preprocessor_config_sets_normalisation_and_rejects_other_patching(tmp_path):
+    from multimodal.config import ConfigError, load_config, resolve_sources
+
+    tok_dir = tmp_path / "tok"
+    build_tiny_tokenizer(tok_dir)
+    pre = {"image_mean": [0.48, 0.45, 0.4], "image_std": [0.26, 0.26, 0.27], "patch_size": 16, "merge_size": 2}
+    (tok_dir / "preprocessor_config.json").write_text(json.dumps(pre))
+    cfg = resolve_sources(load_config(None, [f"data.tokenizer={tok_dir}"]))
+    assert cfg.data.image_mean == pre["image_mean"] and cfg.data.image_std == pre["image_std"]
+    (tok_dir / "preprocessor_config.json").write_text(json.dumps({**pre, "patch_size": 14}))
+    with pytest.raises(ConfigError, match="patch_size=14"):
+        resolve_sources(load_config(None, [f"data.tokenizer={tok_dir}"]))
+
+
+def test_worker_processes_give_the_same_batches_skips_and_resume_state(cord, model_cfg, tok):
+    """data.num_workers=2 decodes rows in other processes; batches, skip counts and the resume
+    index must be exactly those of the in-process loader."""
+    from data.loader import MicroBatchIterator
+
+    def loader(workers):
+        return MicroBatchIterator(_ds(cord, model_cfg, tok), SEQ, model_cfg.pad_token_id, model_cfg.image_token_id,
+                                  2, False, 1, 0, 1, max_bad_fraction=0.9, num_workers=workers)
+
+    plain, parallel = loader(0), loader(2)
+    n = len(plain.dataset) - len(cord[1]["bad"]) + 2  # through the bad rows at the end (once) and around
+    for _ in range(n):
+        a, b = next(plain), next(parallel)
+        assert torch.equal(a["tokens"], b["tokens"]) and torch.equal(a["pixel_values"], b["pixel_values"])
+        assert plain.state_dict() == parallel.state_dict()
+    assert parallel.bad == plain.bad == len(cord[1]["bad"])
+    assert dict(parallel.dataset.skipped) == dict(plain.dataset.skipped) and sum(plain.dataset.skipped.values())
+
+    resumed = loader(2)
+    resumed.load_state_dict(parallel.state_dict())
+    for _ in range(3):
+        assert torch.equal(next(resumed)["tokens"], next(plain)["tokens"])
+
+
 @pytest.mark.slow
 def test_training_runs_on_cord_format_data(tmp_path):
     """pretrain_multimodal.py with data.name=cord_v2: ids from the tokenizer, two steps, finite loss."""
