@@ -81,6 +81,11 @@ class ModelConfig:
     # kernels
     attention_backend: str = "auto"  # auto | sdpa | varlen
     gdn_backend: str = "auto"  # auto | fla | torch
+    # LM loss through kernels/fused_linear_ce.py: chunked logits, never [tokens, vocab] at once
+    # (saves ~12 bytes x tokens x vocab/TP; costs one extra LM-head GEMM in backward). On by
+    # default on CPU and GPU alike so CPU tests exercise the path the GPU runs; false restores
+    # megatron's output layer + vocab_parallel_cross_entropy (same losses and grads).
+    fused_linear_ce: bool = True
     vision: VisionConfig = field(default_factory=VisionConfig)
 
     def is_full_attention(self, layer: int) -> bool:

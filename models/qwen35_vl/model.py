@@ -25,6 +25,28 @@ class Qwen35LanguageModel(GPTModel):
             "mrope_axis", axis_of_frequency(rot_dim // 2, mrope_section, interleaved), persistent=False
         )
 
+    # Loss through kernels.fused_linear_ce (no [tokens, vocab] logits); set by build() from
+    # model.fused_linear_ce. False keeps megatron's output layer + vocab_parallel_cross_entropy.
+    fused_linear_ce: bool = False
+
+    def _postprocess(self, hidden_states, **kwargs):
+        from megatron.core.inference.utils import InferenceMode  # noqa: PLC0415
+
+        labels = kwargs.get("labels")
+        if (not self.fused_linear_ce or not self.post_process or labels is None or self.mtp_process
+                or kwargs.get("output_processor") is not None or InferenceMode.is_active()
+                or self.config.use_mup):
+            return super()._postprocess(hidden_states=hidden_states, **kwargs)
+        from kernels.fused_linear_ce import vocab_parallel_linear_cross_entropy  # noqa: PLC0415
+
+        # Tied: the (vocab-parallel) embedding weight; untied: the output layer's. Both are
+        # [V/TP, H] shards along the vocabulary, as vocab_parallel_cross_entropy expects.
+        weight = (self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights
+                  else self.output_layer.weight)
+        return vocab_parallel_linear_cross_entropy(
+            hidden_states, weight, labels, tp_group=self.tp_group,
+            sequence_parallel=self.output_layer.sequence_parallel)
+
     def _preprocess(self, input_ids, position_ids, *args, **kwargs):
         out = list(super()._preprocess(input_ids, position_ids, *args, **kwargs))
         # position_ids [3, B, S] -> angles [S, B, 1, rot_dim], consumed by MRopeSelfAttention
@@ -118,6 +140,7 @@ def build(cfg, parallel, params_dtype: torch.dtype, pre_process: bool = True, po
         mrope_section=list(m.mrope_section),
         interleaved=m.mrope_interleaved,
     )
+    language.fused_linear_ce = m.fused_linear_ce
     vision = None
     if pre_process:
         vision = VisionEncoder(m.vision, out_hidden=m.hidden_size, attn_backend=m.attention_backend)
