@@ -3,6 +3,7 @@
     python pretrain_multimodal.py --config configs/qwen35_vl_proxy.yaml [section.key=value ...]
     torchrun --nproc-per-node 8 pretrain_multimodal.py --config configs/qwen35_vl_2b.yaml
     python pretrain_multimodal.py --config configs/qwen35_vl_proxy.yaml --print-config
+    python pretrain_multimodal.py --config configs/qwen35_vl_397b_a17b.yaml --dry-run [--world-size N]
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML recipe under configs/")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check the parallel layout and print parameters + memory per GPU, no GPU needed")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="--dry-run: GPUs to lay out (default: parallel.world_size of the recipe)")
+    parser.add_argument("--gpu-mem-gib", type=float, default=80.0,
+                        help="--dry-run: GiB per GPU to fit in (H100 80GB: 80; H200 141GB = 131 GiB)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.iters=100 parallel.tp=2")
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
@@ -30,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("megatron").setLevel(logging.WARNING)
     try:
         cfg = resolve_sources(load_config(args.config, args.overrides))
+        if args.dry_run:
+            from multimodal.dry_run import dry_run
+
+            return dry_run(cfg, args.world_size, args.gpu_mem_gib, config_path=args.config)
         validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

@@ -135,6 +135,9 @@ class ParallelConfig:
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
+    # GPUs the layout is designed for (nodes x GPUs per node); only --dry-run reads it, training
+    # takes the real count from torchrun's WORLD_SIZE. None: the smallest world the layout fits.
+    world_size: int | None = None
 
 
 @dataclass

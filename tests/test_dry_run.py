@@ -1,0 +1,250 @@
+"""--dry-run: exact per-rank parameter counts (against the real model), recipe layouts, layout refusals.
+
+Run as a script under torchrun it is the worker that builds the real proxies under TP/PP/EP = 2
+and reports what every rank holds:
+    torchrun --nproc-per-node 2 tests/test_dry_run.py OUT.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from multimodal.config import ConfigError, load_config  # noqa: E402
+from multimodal.dry_run import check_layout, model_params, stage_params  # noqa: E402
+
+DENSE, MOE = "configs/qwen35_vl_proxy.yaml", "configs/qwen35_vl_proxy_moe.yaml"
+BIG = ["configs/qwen35_vl_9b.yaml", "configs/qwen35_vl_35b_a3b.yaml", "configs/qwen35_vl_397b_a17b.yaml"]
+# (recipe, tp, pp, ep) built by the 2-process worker; every layout uses both ranks
+MP_LAYOUTS = [(DENSE, 2, 1, 1), (DENSE, 1, 2, 1), (MOE, 2, 1, 1), (MOE, 1, 1, 2), (MOE, 1, 2, 1),
+              (DENSE, 1, 2, 1, "model.tie_word_embeddings=false")]
+
+
+def _env():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    return env
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "pretrain_multimodal.py", *args], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+
+
+# ---------------------------------------------------------------- counts vs the real model
+
+
+@pytest.mark.parametrize("path", [DENSE, MOE])
+def test_count_equals_real_model_single_rank(mcore, path):
+    import torch
+
+    from models import get_model_builder
+    from multimodal.platform import seed_everything
+
+    cfg = load_config(path)
+    seed_everything(0)
+    model = get_model_builder(cfg.model.name)(cfg.model, cfg.parallel, torch.float32)
+    real = sum(p.numel() for p in model.parameters())
+    counted = stage_params(cfg.model)
+    assert counted.total == real
+    assert model_params(cfg.model)[0] == real
+    # the per-component split matches the real modules too
+    vision = sum(p.numel() for p in model.vision_model.parameters())
+    assert counted.parts["vision"] == vision
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert counted.expert == experts
+
+
+def test_count_equals_real_model_per_rank_under_tp_pp_ep(tmp_path):
+    """Two gloo processes build the proxies under TP=2, PP=2, EP=2 (and expert-TP=2): every rank
+    holds exactly what the dry run says its stage holds."""
+    out = tmp_path / "counts.json"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={port}",
+         "tests/test_dry_run.py", str(out)],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    results = json.loads(out.read_text())
+    assert len(results) == len(MP_LAYOUTS)
+    for (path, tp, pp, ep, *over), ranks in zip(MP_LAYOUTS, results):
+        m = load_config(path, over).model
+        for r in ranks:
+            want = stage_params(m, tp, pp, ep, r["pp_rank"])
+            assert r["params"] == want.total, (path, tp, pp, ep, over, r, want.parts)
+            assert r["expert"] == want.expert, (path, tp, pp, ep, over, r, want.parts)
+
+
+def _worker(out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from models import get_model_builder
+    from multimodal.config import ParallelConfig
+    from multimodal.platform import init_distributed, seed_everything
+
+    init_distributed()
+    results = []
+    for path, tp, pp, ep, *over in MP_LAYOUTS:
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     expert_model_parallel_size=ep)
+        seed_everything(0)
+        cfg = load_config(path, over)
+        first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+        model = get_model_builder(cfg.model.name)(cfg.model, ParallelConfig(tp=tp, pp=pp, ep=ep), torch.float32,
+                                                  pre_process=first, post_process=last)
+        mine = {"pp_rank": ps.get_pipeline_model_parallel_rank(),
+                "params": sum(p.numel() for p in model.parameters()),
+                "expert": sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)}
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        results.append(gathered)
+        ps.destroy_model_parallel()
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(results))
+    dist.barrier()
+
+
+# ---------------------------------------------------------------- model sizes
+
+
+@pytest.mark.parametrize("path, total, active", [
+    ("configs/qwen35_vl_2b.yaml", 2.21e9, None),  # 2213M counted by the trainer on the H200 run (docs/benchmarks)
+    ("configs/qwen35_vl_9b.yaml", 9.4e9, None),
+    ("configs/qwen35_vl_35b_a3b.yaml", 35e9, 3),
+    ("configs/qwen35_vl_397b_a17b.yaml", 397e9, 17),
+])
+def test_recipe_sizes_match_their_names(path, total, active):
+    got_total, got_active = model_params(load_config(path).model)
+    assert got_total == pytest.approx(total, rel=0.01)
+    if active:
+        # every parameter a token passes through (vision and both embeddings included): 3.90B and
+        # 17.81B, whose whole billions are the names' A3B / A17B
+        assert int(got_active // 1e9) == active
+
+
+# ---------------------------------------------------------------- the CLI on the big recipes
+
+
+@pytest.mark.parametrize("path", BIG)
+def test_big_recipe_dry_run_passes(path):
+    proc = _cli("--config", path, "--dry-run")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "stages" in out and "OK: layout valid" in out
+    world = load_config(path).parallel.world_size
+    assert f"world size {world}" in out
+
+
+def test_dry_run_reports_a_layout_that_does_not_fit():
+    proc = _cli("--config", "configs/qwen35_vl_397b_a17b.yaml", "--dry-run", "parallel.use_distributed_optimizer=false",
+                "--gpu-mem-gib", "40")
+    assert proc.returncode == 1 and "DOES NOT FIT" in proc.stdout
+
+
+# Each refusal names the field and the numbers; validate() and the dry run's own layout checks may
+# both catch a rule (whichever runs first words it), so the patterns accept either wording.
+@pytest.mark.parametrize("override, pattern", [
+    (["parallel.pp=8", "parallel.cp=4"], r"model\.num_layers \(60\) must be divisible by parallel\.pp \(8\)"),
+    (["parallel.ep=48"], r"model\.num_experts \(512\) must be divisible by parallel\.ep \(48\)"),
+    (["parallel.cp=16"], r"model\.(linear_num_key_heads \(16\)|num_attention_heads \(32\)) must be divisible "
+                         r"by parallel\.tp\*cp \(32\)"),
+    (["model.num_attention_heads=8"], r"model\.num_attention_heads.* must be divisible by parallel\.(tp\*)?cp"),
+    (["train.seq_length=8200"], r"train\.seq_length \(8200\) must be (divisible by|a multiple of) 2\*(parallel\.)?cp"),
+    (["train.seq_length=8194", "parallel.cp=1"], r"train\.seq_length \(8194\).*parallel\.sequence_parallel"),
+    (["train.global_batch_size=100"], r"train\.global_batch_size \(100\) must be a multiple"),
+    (["parallel.world_size=500"], r"world size 500 is not divisible by parallel\.tp\*pp\*cp = 64"),
+    (["parallel.ep=64", "parallel.world_size=256"],
+     r"parallel\.ep \(64\) must divide data-parallel x context-parallel \(4 x 8 = 32\)"),
+])
+def test_bad_layouts_are_refused_with_the_field_and_fix(override, pattern):
+    proc = _cli("--config", "configs/qwen35_vl_397b_a17b.yaml", "--dry-run", *override)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("config error: ") and re.search(pattern, proc.stderr), proc.stderr
+
+
+def test_check_layout_raises_config_error_and_notes_unimplemented_refusals():
+    cfg = load_config("configs/qwen35_vl_397b_a17b.yaml")
+    lay, _ = check_layout(cfg, cfg.parallel.world_size)
+    p = cfg.parallel
+    assert lay.dp * lay.tp * lay.pp * lay.cp == lay.world
+    assert lay.edp * lay.pp * lay.etp * lay.ep == lay.world
+    with pytest.raises(ConfigError, match="parallel.pp"):
+        check_layout(load_config("configs/qwen35_vl_397b_a17b.yaml", ["parallel.pp=8", "parallel.cp=4"]), p.world_size)
+
+
+def test_world_size_flag_overrides_the_recipe():
+    proc = _cli("--config", "configs/qwen35_vl_9b.yaml", "--dry-run", "--world-size", "16")
+    assert proc.returncode == 0, proc.stderr
+    assert "world size 16" in proc.stdout
+
+
+# ---------------------------------------------------------------- launchers
+
+
+SBATCH = sorted((ROOT / "scripts" / "slurm").glob("*.sbatch"))
+
+
+def test_launchers_parse_and_reference_existing_configs():
+    assert {p.name for p in SBATCH} >= {"train.sbatch", "proxy.sbatch", "qwen35_vl_9b.sbatch",
+                                        "qwen35_vl_397b_a17b.sbatch"}
+    for script in [*SBATCH, ROOT / "scripts" / "launch_local.sh"]:
+        proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert proc.returncode == 0, (script, proc.stderr)
+    for script in SBATCH:
+        if script.name == "train.sbatch":
+            continue
+        text = script.read_text()
+        configs = re.findall(r"configs/[\w.]+\.yaml", text)
+        assert configs, script
+        for c in configs:
+            assert (ROOT / c).is_file(), (script, c)
+        nodes = int(next(line.split("=")[1] for line in text.splitlines() if line.startswith("#SBATCH --nodes=")))
+        recipe = yaml.safe_load((ROOT / configs[0]).read_text())
+        world = (recipe.get("parallel") or {}).get("world_size")
+        if world:  # the wrapper asks Slurm for exactly the GPUs the recipe is laid out for
+            assert nodes * 8 == world, (script, nodes, world)
+
+
+def test_sbatch_checks_the_allocation_with_a_dry_run(tmp_path):
+    """train.sbatch under a simulated Slurm environment (DRY_RUN=only stops before srun): the dry
+    run sees the allocation's world size, and a wrong node count is refused before any launch."""
+    env = {**_env(), "SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_ID": "42", "SLURM_JOB_NAME": "t",
+           "DRY_RUN": "only", "RUN_ROOT": str(tmp_path), "PYTHON": sys.executable}
+    script = "scripts/slurm/qwen35_vl_397b_a17b.sbatch"
+    ok = subprocess.run(["bash", script, "train.iters=5"], cwd=ROOT, capture_output=True, text=True,
+                        env={**env, "SLURM_JOB_NUM_NODES": "64"}, timeout=120)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "world size 512" in ok.stdout and "OK: layout valid" in ok.stdout
+    assert "world size 512" in (tmp_path / "t-42" / "logs" / "dry_run.txt").read_text()
+    bad = subprocess.run(["bash", script], cwd=ROOT, capture_output=True, text=True,
+                         env={**env, "SLURM_JOB_NUM_NODES": "3"}, timeout=120)
+    assert bad.returncode == 2 and "world size 24 is not divisible" in bad.stderr, bad.stderr
+
+
+def test_local_launcher_runs_torchrun():
+    env = {**_env(), "NPROC": "1", "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", "scripts/launch_local.sh", "configs/qwen35_vl_proxy.yaml", "--dry-run"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OK: layout valid" in proc.stdout
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])
