@@ -297,8 +297,9 @@ def activation_bytes_per_token(m: ModelConfig, lay: Layout) -> dict[str, float]:
       MoE            8E + k(4h + 8fe/tp) + 8fs/tp
                                   fp32 router logits + probs; per routed copy: the permuted input
                                   (fc1's input), expert fc1/act/product, the expert output (kept to
-                                  weight it by its routing prob); the shared expert. Routed copies are not divided by tp: with expert-TP the
-                                  dispatcher all-gathers the TP ranks' tokens.
+                                  weight it by its routing prob); the shared expert. Routed
+                                  copies are not divided by tp: with expert-TP the dispatcher
+                                  all-gathers the TP ranks' tokens.
     Context parallel divides the tokens (each rank keeps seq/cp of every sequence; GDN's
     head-parallel all-to-all trades tokens for heads at the same byte count).
     """
@@ -405,7 +406,7 @@ def dry_run(cfg: Config, world_size: int | None = None, gpu_mem_gib: float = 80.
     raises ConfigError for an impossible layout."""
     world = world_size or default_world_size(cfg)
     lay, notes = check_layout(cfg, world)
-    m, p = cfg.model, cfg.parallel
+    m = cfg.model
     total, active = model_params(m)
     vis = vision_params(m)
     stages = [stage_params(m, lay.tp, lay.pp, lay.ep, s) for s in range(lay.pp)]
@@ -437,12 +438,9 @@ def dry_run(cfg: Config, world_size: int | None = None, gpu_mem_gib: float = 80.
         out(f"  {name:<8}{layers:>10}{_fmt_params(sp_.total):>10}{_fmt_params(sp_.expert):>10}"
             f"{mem.weights:>9.1f}{mem.grads:>8.1f}{mem.optimizer:>8.1f}{mem.activations:>8.1f}"
             f"{mem.in_flight:>6}{mem.total:>8.1f}  {fits}")
-    for sp_ in stages[:1]:
+    for sp_ in {stages[0].stage: stages[0], stages[-1].stage: stages[-1]}.values():  # first, last
         parts = ", ".join(f"{k} {_fmt_params(v)}" for k, v in sp_.parts.items() if v)
-        out(f"  stage 0 per rank: {parts}")
-    if lay.pp > 1:
-        parts = ", ".join(f"{k} {_fmt_params(v)}" for k, v in stages[-1].parts.items() if v)
-        out(f"  stage {lay.pp - 1} per rank: {parts}")
+        out(f"  stage {sp_.stage} per rank: {parts}")
     for note in notes:
         out(f"  note: {note}")
     if worst > gpu_mem_gib:

@@ -139,6 +139,26 @@ def test_recipe_sizes_match_their_names(path, total, active):
         assert int(got_active // 1e9) == active
 
 
+def test_memory_estimate_follows_the_layout():
+    """1F1B keeps pp - stage micro-batches in flight; CP divides a middle stage's activations;
+    the distributed optimizer divides optimizer states by the data-parallel sizes."""
+    from multimodal.dry_run import stage_memory
+
+    def stage1(*over):
+        cfg = load_config("configs/qwen35_vl_397b_a17b.yaml", list(over))
+        lay, _ = check_layout(cfg, cfg.parallel.world_size)
+        return lay, stage_memory(cfg, lay, stage_params(cfg.model, lay.tp, lay.pp, lay.ep, 1))
+
+    lay, mem = stage1()
+    assert [lay.in_flight(s) for s in range(4)] == [4, 3, 2, 1]
+    _, half_cp = stage1("parallel.cp=4", "parallel.world_size=256")  # same dp, twice the tokens per rank
+    assert half_cp.activations == pytest.approx(2 * mem.activations)
+    _, no_dist = stage1("parallel.use_distributed_optimizer=false")
+    assert no_dist.weights == mem.weights and no_dist.grads == mem.grads == 2 * mem.weights
+    assert no_dist.optimizer == pytest.approx(6 * mem.weights)  # 12 bytes per parameter, unsharded
+    assert mem.optimizer < no_dist.optimizer / lay.edp * 1.01
+
+
 # ---------------------------------------------------------------- the CLI on the big recipes
 
 
