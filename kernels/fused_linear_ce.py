@@ -95,7 +95,6 @@ class _FusedLinearCE(torch.autograd.Function):
             return (None,) * 8
         n, vocab_local = hidden.shape[0], weight.shape[0]
         g = (grad_loss.float() * keep)[:, None]
-        rows = torch.arange(n, device=hidden.device)
         grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
         grad_w = torch.empty_like(weight) if need_w else None
         step = _chunk(vocab_local, n, ctx.vocab_chunk, DEFAULT_CHUNK_ELEMENTS)
@@ -104,11 +103,11 @@ class _FusedLinearCE(torch.autograd.Function):
             w = weight[v0:v1]
             p = (hidden @ w.t()).float()
             p.sub_(lse[:, None]).exp_()
-            # subtract the one-hot of labels inside this slice; index_put keeps it free of
-            # host syncs (no nonzero()): rows whose label lies elsewhere subtract 0
+            # subtract the one-hot of labels inside this slice with a scatter, free of host
+            # syncs (no nonzero()): rows whose label lies elsewhere subtract 0
             hit = in_shard & (safe >= v0) & (safe < v1)
             col = (safe - v0).clamp_(0, v1 - v0 - 1)
-            p.index_put_((rows, col), -hit.to(p.dtype), accumulate=True)
+            p.scatter_add_(1, col[:, None], -hit.to(p.dtype)[:, None])
             p.mul_(g)
             p = p.to(weight.dtype)
             if need_w:

@@ -338,7 +338,12 @@ def validate(cfg: Config, world_size: int = 1) -> None:
                  "data.pack=true builds one packed row of train.seq_length tokens per micro-batch; "
                  "set train.micro_batch_size=1 (raise train.seq_length for more tokens per micro-batch)")
     _require(p.cp == 1, "parallel.cp > 1 is not implemented yet; set parallel.cp=1")
-    _require(p.pp == 1, "parallel.pp > 1 is not implemented yet for the multimodal model; set parallel.pp=1")
+    if p.pp > 1:
+        # megatron splits the decoder evenly (get_num_layers_to_build); the vision encoder and the
+        # embedding ride on the first stage, the output layer and the loss on the last.
+        _require(m.num_layers % p.pp == 0,
+                 f"model.num_layers ({m.num_layers}) must be divisible by parallel.pp ({p.pp}) (every "
+                 "pipeline stage gets num_layers/pp decoder layers); choose a pp that divides it")
 
     validate_layout(m, p)
     v = m.vision

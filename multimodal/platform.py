@@ -14,6 +14,12 @@ Patched on CPU only (each one is listed in ``CPU_PATCHES`` so tests can assert t
   gradients) gets a CPU twin; the MoE all-to-all split sizes become numpy as on a GPU.
 - ``megatron.core.tensor_parallel.random`` CUDA RNG tracker: replaced by one that forks
   the CPU generator, so model-parallel seeding keeps its meaning on CPU.
+- pipeline parallelism: ``LanguageModule.setup_embeddings_and_output_layer`` moves the tied
+  output weight of the last stage with ``Tensor.cuda()`` before the all-reduce that copies
+  the first stage's embedding into it; on CPU that call runs with ``Tensor.cuda`` as identity.
+- distributed optimizer: it accepts parameters only if ``param.type()`` is a
+  ``torch.cuda.*Tensor`` string; while it builds its parameter groups, CPU parameters report
+  the CUDA name of the same dtype (nothing else in it depends on the device).
 """
 
 from __future__ import annotations
@@ -37,6 +43,9 @@ _MODULES_ALLOCATING_ON_CUDA = (
     "megatron.core.optimizer.clip_grads",
     "megatron.core.optimizer.grad_scaler",
     "megatron.core.pipeline_parallel.schedules",
+    # pipeline p2p: receive buffers on torch.cuda.current_device() and a torch.cuda.synchronize()
+    # after every batched isend/irecv (a race guard for NCCL; gloo's waits are already blocking)
+    "megatron.core.pipeline_parallel.p2p_communication",
     "megatron.core.pipeline_parallel.utils",
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.transformer.moe.moe_layer",
@@ -127,6 +136,19 @@ def apply_cpu_patches() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_to_host
     CPU_PATCHES.append("megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu")
 
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    LanguageModule.setup_embeddings_and_output_layer = _with_tensor_cuda_as_identity(
+        LanguageModule.setup_embeddings_and_output_layer)
+    CPU_PATCHES.append("LanguageModule.setup_embeddings_and_output_layer (Tensor.cuda -> identity)")
+
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    build_groups = DistributedOptimizer._build_model_and_main_param_groups.__func__
+    DistributedOptimizer._build_model_and_main_param_groups = classmethod(
+        _with_cuda_type_names(build_groups))
+    CPU_PATCHES.append("DistributedOptimizer._build_model_and_main_param_groups (CUDA type names)")
+
     from megatron.core.tensor_parallel import random as mcore_random
 
     mcore_random._CUDA_RNG_STATE_TRACKER = CpuRngStatesTracker()
@@ -134,6 +156,49 @@ def apply_cpu_patches() -> None:
     mcore_random.initialize_rng_tracker = lambda *a, **k: None
     CPU_PATCHES.append("megatron.core.tensor_parallel.random RNG tracker")
     log.info("CPU run: patched megatron-core at %s", ", ".join(CPU_PATCHES))
+
+
+def _with_tensor_cuda_as_identity(fn):
+    """``fn`` with ``Tensor.cuda()`` returning the tensor itself while it runs (CPU only)."""
+
+    def wrapped(*args, **kwargs):
+        saved = torch.Tensor.cuda
+        torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = saved  # type: ignore[method-assign]
+
+    wrapped.__wrapped__ = fn
+    return wrapped
+
+
+_CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor": "torch.cuda.HalfTensor",
+                    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+
+
+def _with_cuda_type_names(fn):
+    """``fn`` with CPU parameters' ``type()`` named as their CUDA twins while it runs (CPU only)."""
+
+    def wrapped(*args, **kwargs):
+        had = "type" in vars(torch.nn.Parameter)
+        saved = torch.nn.Parameter.type
+
+        def cuda_name(self, *a, **k):
+            name = saved(self, *a, **k)
+            return _CUDA_TYPE_NAMES.get(name, name) if not (a or k) else name
+
+        torch.nn.Parameter.type = cuda_name  # type: ignore[method-assign]
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if had:
+                torch.nn.Parameter.type = saved  # type: ignore[method-assign]
+            else:
+                del torch.nn.Parameter.type
+
+    wrapped.__wrapped__ = fn
+    return wrapped
 
 
 class _CudaToCpuTorch:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
@@ -30,6 +31,7 @@ from multimodal import checkpointing
 from multimodal.config import Config, ConfigError, resolve_sources, validate
 from multimodal.flops import device_peak_tflops, training_flops
 from multimodal.forward_step import ForwardStep
+from multimodal.loss import masked_token_loss
 from multimodal.metrics import MetricsSink
 from multimodal.platform import Runtime, init_distributed, seed_everything
 
@@ -50,13 +52,16 @@ def resolve_dtype(precision: str, rt: Runtime) -> torch.dtype:
 
 def build_model_and_optimizer(cfg: Config, rt: Runtime, dtype: torch.dtype):
     builder = get_model_builder(cfg.model.name)
-    model = builder(cfg.model, cfg.parallel, dtype, pre_process=True, post_process=True,
-                    deterministic=cfg.train.deterministic)
+    # Pipeline stages: the first embeds (vision encoder + token embedding), the last owns the
+    # output layer and the loss; each builds only its own decoder layers.
+    model = builder(cfg.model, cfg.parallel, dtype, pre_process=ps.is_pipeline_first_stage(),
+                    post_process=ps.is_pipeline_last_stage(), deterministic=cfg.train.deterministic)
     model.to(rt.device)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        average_in_collective=False,  # per-token loss: the one division is by the token count
     )
     ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
     o = cfg.optimizer
@@ -92,9 +97,67 @@ def build_model_and_optimizer(cfg: Config, rt: Runtime, dtype: torch.dtype):
     # total number of supervised tokens (calculate_per_token_loss).
     tcfg = model.config
     tcfg.no_sync_func = ddp.no_sync
-    tcfg.finalize_model_grads_func = finalize_model_grads
+    tcfg.finalize_model_grads_func = finalize_grads
     tcfg.grad_scale_func = optimizer.scale_loss
+    check_gradient_scaling(ddp)
     return model, ddp, optimizer, scheduler
+
+
+def finalize_grads(model, num_tokens, pg_collection=None, force_all_reduce=False):
+    """megatron's finalize_model_grads, then one coalesced TP all-reduce (sum) of the grads of
+    replicated parameters that only see this rank's heads (``tp_partial_grad``, set by the model
+    builder). Sums commute with the DP reduction and the 1/tokens scaling done before, and under
+    the distributed optimizer TP peers hold the same DP shard, so this is exact in every mode."""
+    finalize_model_grads(model, num_tokens, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+    tp_group = ps.get_tensor_model_parallel_group()
+    if tp_group.size() == 1:
+        return
+    grads = [p.main_grad for chunk in model for p in chunk.parameters()
+             if p.requires_grad and getattr(p, "tp_partial_grad", False)]
+    if grads:
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=tp_group)
+        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(synced)
+
+
+def check_gradient_scaling(ddp) -> None:
+    """Fail at start-up on any setting that would scale gradients more than once.
+
+    Our loss (multimodal.loss) returns the *sum* of masked token losses and the token count.
+    With ``calculate_per_token_loss`` megatron-core 0.19.2 then: does not divide the loss by
+    the micro-batch's tokens or by num_microbatches (schedules.forward_step_calc_loss), does
+    not pre-scale the DP gradient reduction (DDP gradient_scaling_factor 1.0, SUM collective),
+    sums the token counts over micro-batches, broadcasts them from the last pipeline stage and
+    all-reduces them over DP x CP, and divides the gradients once by that total
+    (finalize_model_grads, called by our finalize_grads). Any of the following would add a
+    second factor (1/num_microbatches, 1/DP or 1/(DP*CP)) on top of 1/tokens, so each one is
+    refused here.
+    """
+    cfg = ddp.config  # what the schedule reads (get_model_config)
+    problems = []
+    if not cfg.calculate_per_token_loss:
+        problems.append("calculate_per_token_loss is False: megatron would divide our summed loss by its "
+                        "token count and num_microbatches, and the DDP reduction by the DP size")
+    if ddp.module.config is not cfg and not ddp.module.config.calculate_per_token_loss:
+        problems.append("the model's config and the DDP wrapper's config disagree on calculate_per_token_loss")
+    if ddp.ddp_config.average_in_collective:
+        problems.append("DDP average_in_collective=True divides gradients by the DP size in the collective")
+    for buf in [*ddp.buffers, *ddp.expert_parallel_buffers]:
+        if buf.gradient_scaling_factor != 1.0:
+            problems.append(f"a DDP gradient buffer pre-scales gradients by {buf.gradient_scaling_factor}")
+            break
+    # our loss's side of the contract: a sum over supervised tokens, not a mean
+    loss_sum, num_tokens, _ = masked_token_loss(torch.full((1, 4), 2.0), torch.tensor([[1.0, 1.0, 0.0, 1.0]]))
+    if float(loss_sum) != 6.0 or int(num_tokens) != 3:
+        problems.append(f"the loss function must return (sum of masked token losses, token count); got "
+                        f"({float(loss_sum)}, {int(num_tokens)}) for 3 tokens of loss 2.0")
+    if cfg.finalize_model_grads_func is not finalize_grads:
+        problems.append("finalize_model_grads_func is not ours (megatron's finalize_model_grads + TP sums), so "
+                        "the one division by the global token count would not happen (or would happen elsewhere)")
+    if problems:
+        raise RuntimeError("gradient scaling would not be exactly 1/(supervised tokens of the global batch): "
+                           + "; ".join(problems))
 
 
 def checkpoint_meta(cfg: Config) -> dict[str, str]:
@@ -110,10 +173,6 @@ def train(cfg: Config) -> TrainResult:
     rt = init_distributed()
     resolve_sources(cfg)
     validate(cfg, rt.world_size)
-    if cfg.parallel.use_distributed_optimizer and not rt.is_cuda:
-        # megatron's distributed optimizer checks parameter types against torch.cuda.* tensors.
-        raise ConfigError("parallel.use_distributed_optimizer=true needs CUDA devices; "
-                          "set it to false for CPU runs")
     p = cfg.parallel
     ps.initialize_model_parallel(
         tensor_model_parallel_size=p.tp,
@@ -136,8 +195,8 @@ def _train(cfg: Config, rt: Runtime) -> TrainResult:
     num_microbatches = t.global_batch_size // (t.micro_batch_size * dp_size)
     if rt.is_main:
         n_params = sum(q.numel() for q in model.parameters())
-        log.info("model %s: %.2fM parameters per rank, dtype %s, device %s, dp=%d, micro-batches/step=%d",
-                 m.name, n_params / 1e6, dtype, rt.device, dp_size, num_microbatches)
+        log.info("model %s: %.2fM parameters per rank, dtype %s, device %s, dp=%d, pp=%d, micro-batches/step=%d",
+                 m.name, n_params / 1e6, dtype, rt.device, dp_size, cfg.parallel.pp, num_microbatches)
 
     dataset = build_dataset(m, cfg.data, t.seq_length)
     loader = MicroBatchIterator(
@@ -229,6 +288,12 @@ class _Window:
 
 def _log_metrics(it, report, grad_norm, scheduler, window: _Window, peak, rt: Runtime) -> dict:
     dp_group = ps.get_data_parallel_group()
+    # Every pipeline stage of a DP replica reads the same micro-batches, so tokens and FLOPs are
+    # counted once per replica (summed over DP only); only the last stage has the loss, which
+    # reaches rank 0 (first stage) by one broadcast over the pipeline group, at log steps only.
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(report, src=ps.get_pipeline_model_parallel_last_rank(),
+                       group=ps.get_pipeline_model_parallel_group())
     totals = torch.cat([report.double(), torch.tensor([window.tokens, window.flops], dtype=torch.float64,
                                                       device=report.device)])
     dist.all_reduce(totals, group=dp_group)  # loss and tokens of the whole data-parallel batch
@@ -254,14 +319,20 @@ def _log_metrics(it, report, grad_norm, scheduler, window: _Window, peak, rt: Ru
 
 
 def _param_norm(model) -> float:
-    """L2 norm of all parameters, each counted once across tensor-parallel ranks (log steps only)."""
+    """L2 norm of all parameters, each counted once across tensor-parallel ranks and pipeline
+    stages (the tied output weight copy on the last stage is marked shared) (log steps only)."""
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
 
-    sq = [p.detach().float().square().sum() for p in model.parameters()
-          if param_is_not_tensor_parallel_duplicate(p)]
-    total = torch.stack(sq).sum() if sq else torch.zeros((), device=next(model.parameters()).device)
-    dist.all_reduce(total, group=ps.get_model_parallel_group())
-    return total.sqrt().item()
+    device = next(model.parameters()).device
+    dense, expert = [], []  # expert weights (allreduce=False) are split over EP, not replicated
+    for p in model.parameters():
+        if param_is_not_tensor_parallel_duplicate(p) and param_is_not_shared(p):
+            (dense if getattr(p, "allreduce", True) else expert).append(p.detach().float().square().sum())
+    sums = [torch.stack(x).sum() if x else torch.zeros((), device=device) for x in (dense, expert)]
+    dist.all_reduce(sums[0], group=ps.get_model_parallel_group())
+    dist.all_reduce(sums[1], group=ps.get_expert_tensor_model_pipeline_parallel_group())
+    return (sums[0] + sums[1]).sqrt().item()
 
 
 def _cpu_peak_gib() -> float:

@@ -128,7 +128,7 @@ def build(cfg, parallel, params_dtype: torch.dtype, pre_process: bool = True, po
     rot_dim = int(m.head_dim * m.partial_rotary_factor)
     language = Qwen35LanguageModel(
         config=tcfg,
-        transformer_layer_spec=decoder_block_spec(m),
+        transformer_layer_spec=decoder_block_spec(m, tcfg),  # this pipeline stage's layers only
         vocab_size=m.vocab_size,
         max_sequence_length=m.max_position_embeddings,
         pre_process=pre_process,
@@ -145,4 +145,12 @@ def build(cfg, parallel, params_dtype: torch.dtype, pre_process: bool = True, po
     if pre_process:
         vision = VisionEncoder(m.vision, out_hidden=m.hidden_size, attn_backend=m.attention_backend)
         vision.to(device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu", dtype=params_dtype)
+    if parallel.tp > 1:
+        # The GDN output norm's weight (one per value-head channel, shared by all heads) is
+        # replicated over TP but each rank only sees its own heads, so its gradient is a partial
+        # sum; megatron reduces such grads over TP only for q/k norms and sequence-parallel
+        # norms. The training loop sums grads of params marked this way over TP once per step.
+        for module in language.modules():
+            if isinstance(module, gdn_mod.Qwen35GatedDeltaNet):
+                module.out_norm.weight.tp_partial_grad = True
     return MultimodalModel(tcfg, language, vision, m.image_token_id, pre_process, post_process)

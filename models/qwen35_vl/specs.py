@@ -15,14 +15,16 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
 
 from models.common.norms import GatedRMSNorm, RMSNorm
 from models.qwen35_vl.attention import CoreAttention, MRopeSelfAttention
 from models.qwen35_vl.gdn import Qwen35GatedDeltaNet
-
-
 
 
 def _mixer_spec(kind: str) -> ModuleSpec:
@@ -61,8 +63,28 @@ def layer_spec(kind: str, num_experts: int | None) -> ModuleSpec:
     )
 
 
-def decoder_block_spec(m) -> TransformerBlockSubmodules:
-    """One spec per layer of the model section ``m`` (its hybrid pattern, dense or MoE)."""
-    kinds = ["attention" if m.is_full_attention(i) else "gdn" for i in range(m.num_layers)]
+def stage_layers(config, pp_rank: int | None = None) -> range:
+    """Global indices of the decoder layers this pipeline stage builds.
+
+    megatron's TransformerBlock builds every spec it is handed when given a
+    TransformerBlockSubmodules, so the per-stage slice is ours to take; we take it with
+    megatron's own offset / count so our slice and its layer numbering (and therefore the
+    sharded-checkpoint keys) agree on every stage.
+    """
+    if config.pipeline_model_parallel_size == 1:
+        return range(config.num_layers)
+    offset = get_transformer_layer_offset(config, pp_rank=pp_rank)
+    return range(offset, offset + get_num_layers_to_build(config, pp_rank=pp_rank))
+
+
+def decoder_block_spec(m, config=None, pp_rank: int | None = None) -> TransformerBlockSubmodules:
+    """Specs of the decoder layers of the model section ``m`` (its hybrid pattern, dense or MoE).
+
+    Without ``config`` (or with one pipeline stage) every layer; with a TransformerConfig whose
+    ``pipeline_model_parallel_size`` > 1, only this stage's layers. The layer kind is decided
+    from the *global* layer index, so the GDN / attention pattern is the same whatever the split.
+    """
+    layers = range(m.num_layers) if config is None else stage_layers(config, pp_rank)
+    kinds = ["attention" if m.is_full_attention(i) else "gdn" for i in layers]
     specs = [layer_spec(k, m.num_experts or None) for k in kinds]
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=RMSNorm)

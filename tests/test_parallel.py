@@ -1,0 +1,243 @@
+"""Training-level parity of the parallel layouts (CPU, gloo, 2 processes) against one process.
+
+Every run starts from the same weights: a weights-only checkpoint of a one-process init is
+loaded by every layout (megatron's init is not layout independent under PP and EP: a stage
+or an expert rank draws its weights from a different point of the RNG stream). The runs then
+train a few steps on the same data and must log the same per-step losses (metrics.jsonl)
+and gradient norms within fp32 tolerance.
+
+Batches: with DP > 1 rank r reads samples r, r+DP, ... and packs its own rows, so a DP=2
+step covers the same samples as a DP=1 step only if every packed row holds exactly one
+sample. The DP and EP runs (EP=2 on two processes is also DP=2) use a sequence length for
+which that holds (checked below); TP and PP keep several samples per packed row, so the
+later pipeline stages must get every sample boundary (cu_seqlens) right.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+DENSE = "configs/qwen35_vl_proxy.yaml"
+MOE = "configs/qwen35_vl_proxy_moe.yaml"
+STEPS = 4
+# Losses are means over ~100-200 supervised tokens of O(7); fp32 with a different reduction
+# order (TP all-reduce, DP reduce-scatter, pipeline split) differs in the last bits, which
+# Adam amplifies over a few steps. Measured max |diff| is ~1e-6 (see README); 2e-4 leaves room
+# for other CPUs / BLAS builds while still failing on any real error (a wrong mask, a missing
+# all-reduce or a double scaling moves the loss by > 1e-2 at step 2).
+LOSS_TOL = 2e-4
+GRAD_NORM_RTOL = 2e-3
+
+# several samples per packed row (TP, PP)
+PACKED = ["train.seq_length=256", "train.global_batch_size=2", "data.max_image_side=64",
+          "data.max_text_tokens=48"]
+# exactly one sample per packed row (DP, EP): lengths in [78, 120] for these settings
+ONE_PER_ROW_SEQ = 144
+ONE_PER_ROW = [f"train.seq_length={ONE_PER_ROW_SEQ}", "train.global_batch_size=4", "data.max_image_side=64",
+               "data.min_text_tokens=64", "data.max_text_tokens=80"]
+COMMON = [f"train.iters={STEPS}", "checkpoint.dir=null", "logging.progress_bar=false",
+          "logging.tensorboard=false", "model.attention_backend=sdpa", "model.gdn_backend=torch"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(out: Path, config: str, *overrides: str, nproc: int = 1, check: bool = True):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    if nproc == 1:
+        cmd = [sys.executable, "pretrain_multimodal.py"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+               f"--master-port={_free_port()}", "pretrain_multimodal.py"]
+    cmd += ["--config", config, f"logging.dir={out}", *COMMON, *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    if not check:
+        return proc
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows}
+
+
+def _save_init_weights(out: Path, config: str, overrides: list[str]) -> Path:
+    """A weights-only checkpoint of the one-process init of ``config`` (in this process, world 1)."""
+    from models import get_model_builder
+    from multimodal import checkpointing
+    from multimodal.config import ParallelConfig, load_config, resolve_sources
+    from multimodal.platform import seed_everything
+    from multimodal.training import checkpoint_meta
+
+    cfg = resolve_sources(load_config(config, overrides))
+    seed_everything(cfg.train.seed)
+    model = get_model_builder(cfg.model.name)(cfg.model, ParallelConfig(), torch.float32)
+    return checkpointing.save_weights(out, model, meta_files=checkpoint_meta(cfg))
+
+
+def _compare(ref: dict, got: dict, what: str, world: int = 2) -> tuple[float, float]:
+    assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1)), (what, sorted(got))
+    for s in ref:
+        assert got[s]["supervised_tokens"] == ref[s]["supervised_tokens"], (what, s)
+        # tokens and FLOPs of a step, recovered from the rates: counted once per model replica,
+        # not once per pipeline stage or tensor-parallel rank (TFLOP/s is per GPU: x world)
+        tokens = [r[s]["tokens_per_s"] * r[s]["step_time_s"] for r in (ref, got)]
+        flops = [ref[s]["tflops_per_gpu"] * ref[s]["step_time_s"], got[s]["tflops_per_gpu"] * got[s]["step_time_s"] * world]
+        assert tokens[1] == pytest.approx(tokens[0], rel=1e-6), (what, s, tokens)
+        assert flops[1] == pytest.approx(flops[0], rel=1e-6), (what, s, flops)
+    dloss = max(abs(got[s]["loss"] - ref[s]["loss"]) for s in ref)
+    dgrad = max(abs(got[s]["grad_norm"] - ref[s]["grad_norm"]) / ref[s]["grad_norm"] for s in ref)
+    print(f"PARITY {what}: max |loss diff| {dloss:.3g}, max grad-norm rel diff {dgrad:.3g}")
+    assert dloss <= LOSS_TOL, (what, [(s, ref[s]["loss"], got[s]["loss"]) for s in ref])
+    assert dgrad <= GRAD_NORM_RTOL, (what, [(s, ref[s]["grad_norm"], got[s]["grad_norm"]) for s in ref])
+    # the runs must actually train (a frozen model would match trivially)
+    assert got[STEPS]["loss"] < got[1]["loss"], what
+    return dloss, dgrad
+
+
+@pytest.fixture(scope="module")
+def dense_init(tmp_path_factory, mcore):
+    return _save_init_weights(tmp_path_factory.mktemp("dense_init"), DENSE, [])
+
+
+@pytest.fixture(scope="module")
+def moe_init(tmp_path_factory, mcore):
+    return _save_init_weights(tmp_path_factory.mktemp("moe_init"), MOE, [])
+
+
+@pytest.fixture(scope="module")
+def dense_packed_ref(tmp_path_factory, dense_init):
+    return _run(tmp_path_factory.mktemp("ref_packed"), DENSE, *PACKED, f"checkpoint.load={dense_init}")
+
+
+def test_one_sample_per_row_setting_holds():
+    """The DP/EP comparisons are honest only if no packed row holds two samples."""
+    from data.loader import build_dataset
+    from multimodal.config import load_config
+
+    for config in (DENSE, MOE):
+        cfg = load_config(config, ONE_PER_ROW)
+        ds = build_dataset(cfg.model, cfg.data, ONE_PER_ROW_SEQ)
+        lengths = [len(ds[i]["input_ids"]) for i in range(4 * STEPS + 4)]
+        assert max(lengths) <= ONE_PER_ROW_SEQ < 2 * min(lengths), lengths
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [
+    ["parallel.tp=2"],
+    ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    ["parallel.pp=2"],
+], ids=["tp2", "tp2_sp", "pp2"])
+def test_tp_pp_match_one_process(tmp_path, dense_init, dense_packed_ref, layout):
+    got = _run(tmp_path, DENSE, *PACKED, f"checkpoint.load={dense_init}", *layout, nproc=2)
+    _compare(dense_packed_ref, got, "+".join(layout))
+
+
+@pytest.mark.slow
+def test_dp2_distributed_optimizer_matches_dp1(tmp_path, dense_init):
+    ref = _run(tmp_path / "dp1", DENSE, *ONE_PER_ROW, f"checkpoint.load={dense_init}")
+    got = _run(tmp_path / "dp2", DENSE, *ONE_PER_ROW, f"checkpoint.load={dense_init}",
+               "parallel.use_distributed_optimizer=true", nproc=2)
+    _compare(ref, got, "dp2+distributed_optimizer")
+
+
+@pytest.mark.slow
+def test_ep2_matches_one_process(tmp_path, moe_init):
+    ref = _run(tmp_path / "ep1", MOE, *ONE_PER_ROW, f"checkpoint.load={moe_init}")
+    got = _run(tmp_path / "ep2", MOE, *ONE_PER_ROW, f"checkpoint.load={moe_init}", "parallel.ep=2", nproc=2)
+    _compare(ref, got, "ep2")
+
+
+# ---------------------------------------------------------------- start-up checks (fast)
+
+
+@pytest.mark.parametrize(
+    "overrides, world, needle",
+    [
+        (["parallel.pp=3"], 3, r"model.num_layers \(4\) must be divisible by parallel.pp \(3\)"),
+        (["parallel.pp=2"], 3, r"not divisible by parallel.tp\*pp\*cp"),
+        (["parallel.tp=4"], 4, r"linear_num_key_heads \(2\) must be divisible by parallel.tp\*cp"),
+        (["parallel.ep=3", "train.global_batch_size=3"], 3, r"num_experts \(8\) must be divisible by parallel.ep \(3\)"),
+    ],
+)
+def test_rejected_layouts_name_the_fix(overrides, world, needle):
+    from multimodal.config import ConfigError, load_config, validate
+
+    config = MOE if any("ep=" in o for o in overrides) else DENSE
+    with pytest.raises(ConfigError, match=needle):
+        validate(load_config(config, overrides), world_size=world)
+
+
+def test_rejected_layout_exits_2_before_starting(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": "3"}
+    proc = subprocess.run([sys.executable, "pretrain_multimodal.py", "--config", DENSE, "parallel.pp=3"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "parallel.pp" in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.fixture()
+def built(mcore):
+    """The proxy model wrapped as training wraps it (DDP + optimizer), world size 1."""
+    from multimodal.config import load_config
+    from multimodal.training import build_model_and_optimizer
+
+    cfg = load_config(DENSE, ["model.num_layers=1", "model.full_attention_interval=1", "model.vision.depth=1"])
+    model, ddp, optimizer, _ = build_model_and_optimizer(cfg, mcore, torch.float32)
+    yield model, ddp
+    model.config.finalize_model_grads_func = None
+
+
+def test_gradient_scaling_check_accepts_the_training_setup(built):
+    from multimodal.training import check_gradient_scaling
+
+    _, ddp = built
+    check_gradient_scaling(ddp)  # what build_model_and_optimizer already ran; must not raise
+    assert ddp.config.calculate_per_token_loss and not ddp.ddp_config.average_in_collective
+
+
+@pytest.mark.parametrize("bad", ["mean_loss_mode", "average_in_collective", "prescaled_buffer", "no_finalize"])
+def test_gradient_scaling_check_catches_double_scaling(built, bad, monkeypatch):
+    """Each of these would divide gradients by num_microbatches or DP on top of 1/tokens."""
+    from multimodal.training import check_gradient_scaling
+
+    model, ddp = built
+    if bad == "mean_loss_mode":
+        monkeypatch.setattr(model.config, "calculate_per_token_loss", False)
+        needle = "calculate_per_token_loss"
+    elif bad == "average_in_collective":
+        monkeypatch.setattr(ddp.ddp_config, "average_in_collective", True)
+        needle = "average_in_collective"
+    elif bad == "prescaled_buffer":  # what a DDP built for mean-loss mode at DP=2 carries
+        monkeypatch.setattr(ddp.buffers[0], "gradient_scaling_factor", 0.5)
+        needle = "pre-scales gradients by 0.5"
+    else:
+        monkeypatch.setattr(model.config, "finalize_model_grads_func", None)
+        needle = "finalize_model_grads"
+    with pytest.raises(RuntimeError, match=needle):
+        check_gradient_scaling(ddp)
+
+
+@pytest.mark.slow
+def test_pp2_resume_reproduces_the_uninterrupted_run(tmp_path, dense_init):
+    """Each pipeline stage saves and restores its own shard (plus its RNG and data position)."""
+    common = [*PACKED, "parallel.pp=2", "train.iters=4", "checkpoint.interval=2", "data.max_text_tokens=32"]
+    full = _run(tmp_path / "full", DENSE, *common, f"checkpoint.load={dense_init}",
+                f"checkpoint.dir={tmp_path / 'ck'}", nproc=2)
+    resumed = _run(tmp_path / "resumed", DENSE, *common, f"checkpoint.load={tmp_path / 'ck' / 'iter_0000002'}",
+                   f"checkpoint.dir={tmp_path / 'ck2'}", nproc=2)
+    assert sorted(resumed) == [3, 4]
+    for step in (3, 4):
+        assert resumed[step]["loss"] == full[step]["loss"], step
+        assert resumed[step]["grad_norm"] == full[step]["grad_norm"], step
