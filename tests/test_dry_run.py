@@ -258,6 +258,34 @@ def test_sbatch_checks_the_allocation_with_a_dry_run(tmp_path):
     assert bad.returncode == 2 and "world size 24 is not divisible" in bad.stderr, bad.stderr
 
 
+def test_sbatch_starts_one_torchrun_per_node(tmp_path):
+    """train.sbatch with stand-ins for scontrol, srun and python: the per-node command is torchrun
+    with the node's rank, the first node as rendezvous, the recipe, the overrides (spaces intact)
+    and the job's own log / checkpoint dirs."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/bash\nprintf 'gpu-a\\ngpu-b\\n'\n")
+    # srun: drop its own options, run the command as node 1
+    (bin_dir / "srun").write_text('#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nSLURM_NODEID=1 exec "$@"\n')
+    (bin_dir / "python").write_text(f'#!/bin/bash\nprintf "%s\\n" "$@" > {tmp_path}/argv\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {**_env(), "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": str(bin_dir / "python"),
+           "SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_ID": "9", "SLURM_JOB_NAME": "j", "SLURM_JOB_NUM_NODES": "2",
+           "SLURM_JOB_NODELIST": "gpu-[a-b]", "DRY_RUN": "0", "RUN_ROOT": str(tmp_path / "runs")}
+    proc = subprocess.run(["bash", "scripts/slurm/qwen35_vl_35b_a3b.sbatch", "train.iters=5", "data.prompt=a b"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    argv = (tmp_path / "argv").read_text().splitlines()
+    run_dir = tmp_path / "runs" / "j-9"
+    assert argv[:2] == ["-m", "torch.distributed.run"]
+    for arg in ["--nnodes=2", "--node-rank=1", "--nproc-per-node=8", "--master-addr=gpu-a", "--master-port=29500",
+                "pretrain_multimodal.py", "configs/qwen35_vl_35b_a3b.yaml", "train.iters=5", "data.prompt=a b",
+                f"logging.dir={run_dir}", f"checkpoint.dir={run_dir}/checkpoints"]:
+        assert arg in argv, (arg, argv)
+    assert (run_dir / "logs").is_dir()
+
+
 def test_local_launcher_runs_torchrun():
     env = {**_env(), "NPROC": "1", "PYTHON": sys.executable}
     proc = subprocess.run(["bash", "scripts/launch_local.sh", "configs/qwen35_vl_proxy.yaml", "--dry-run"],
