@@ -57,43 +57,68 @@ def _validate(samples: list[dict], seq_length: int, image_token_id: int, merge: 
             )
 
 
-def pack_thd(samples: list[dict], seq_length: int, pad_id: int, image_token_id: int, merge: int) -> dict:
+def padded_length(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def pack_thd(samples: list[dict], seq_length: int, pad_id: int, image_token_id: int, merge: int,
+             pad_multiple: int = 1) -> dict:
     """Concatenate samples into one row of exactly ``seq_length`` tokens (B=1).
 
-    Each sample is one varlen segment (``cu_seqlens``), so attention and the GDN recurrence
-    never cross samples; positions restart at every sample. The tail padding, if any, is a
-    final segment of its own with positions 0..n-1 and loss_mask 0.
+    Each sample is one varlen segment, so attention and the GDN recurrence never cross
+    samples; positions restart at every sample. With ``pad_multiple`` > 1 (context
+    parallelism needs 2*cp, times tp under sequence parallelism) each sample is padded at its
+    end to a multiple of it: the padding belongs to the sample's segment in
+    ``cu_seqlens_padded``, comes after its last real token (so causal attention and the GDN
+    recurrence of real tokens never read it) and has loss_mask 0. ``cu_seqlens`` holds the
+    real lengths. The tail padding, if any, is a final segment of its own.
     """
     _validate(samples, seq_length, image_token_id, merge)
+    if seq_length % pad_multiple:
+        raise ValueError(f"seq_length={seq_length} must be a multiple of the padding multiple {pad_multiple}")
     lengths = [len(s["input_ids"]) for s in samples]
-    total = sum(lengths)
+    padded = [padded_length(n, pad_multiple) for n in lengths]
+    total = sum(padded)
     if total > seq_length:
         raise ValueError(
             f"samples {[s.get('index') for s in samples]} have {total} tokens together "
-            f"({lengths}), more than seq_length={seq_length}"
+            f"({lengths}, padded to multiples of {pad_multiple}), more than seq_length={seq_length}"
         )
+    tokens, labels, loss_mask, positions = [], [], [], []
+    for s, n, n_padded in zip(samples, lengths, padded):
+        extra = n_padded - n
+        tokens += [s["input_ids"], torch.full((extra,), pad_id, dtype=torch.long)]
+        labels += [s["labels"], torch.full((extra,), -100, dtype=torch.long)]
+        loss_mask += [s["loss_mask"].float(), torch.zeros(extra)]
+        after = s["position_ids"].max() + 1 if n else 0  # padding continues past the sample's last position
+        positions += [s["position_ids"], (after + torch.arange(extra, dtype=torch.long)).expand(3, extra)]
     n_pad = seq_length - total
-    tokens = torch.cat([s["input_ids"] for s in samples] + [torch.full((n_pad,), pad_id, dtype=torch.long)])
-    labels = torch.cat([s["labels"] for s in samples] + [torch.full((n_pad,), -100, dtype=torch.long)])
-    loss_mask = torch.cat([s["loss_mask"].float() for s in samples] + [torch.zeros(n_pad)])
-    labels, loss_mask = _valid_labels(labels, loss_mask, pad_id)
-    pad_pos = torch.arange(n_pad, dtype=torch.long).expand(3, n_pad)
-    position_ids = torch.cat([s["position_ids"] for s in samples] + [pad_pos], dim=1)
-    segments = lengths + ([n_pad] if n_pad else [])
-    cu_seqlens = torch.zeros(len(segments) + 1, dtype=torch.int32)
-    cu_seqlens[1:] = torch.cumsum(torch.tensor(segments), 0)
+    tokens.append(torch.full((n_pad,), pad_id, dtype=torch.long))
+    labels.append(torch.full((n_pad,), -100, dtype=torch.long))
+    loss_mask.append(torch.zeros(n_pad))
+    positions.append(torch.arange(n_pad, dtype=torch.long).expand(3, n_pad))
+    labels_t, mask_t = _valid_labels(torch.cat(labels), torch.cat(loss_mask), pad_id)
+    segments = padded + ([n_pad] if n_pad else [])
+    real = lengths + ([n_pad] if n_pad else [])
+    cu_padded = torch.zeros(len(segments) + 1, dtype=torch.int32)
+    cu_padded[1:] = torch.cumsum(torch.tensor(segments), 0)
+    cu_real = torch.zeros(len(segments) + 1, dtype=torch.int32)
+    cu_real[1:] = torch.cumsum(torch.tensor(real), 0)
     pixel_values, grids = _images(samples)
     return {
-        "tokens": tokens[None],
-        "labels": labels[None],
-        "loss_mask": loss_mask[None],
-        "position_ids": position_ids[:, None],
+        "tokens": torch.cat(tokens)[None],
+        "labels": labels_t[None],
+        "loss_mask": mask_t[None],
+        "position_ids": torch.cat(positions, dim=1)[:, None],
         "pixel_values": pixel_values,
         "image_grid_thw": grids,  # stays on CPU: the vision tower reads it as Python ints
-        "cu_seqlens": cu_seqlens,
+        # TransformerEngine's convention: cumulative real lengths, and cumulative padded lengths
+        # (the segment boundaries in this row: what attention and the GDN state reset at)
+        "cu_seqlens": cu_real,
+        "cu_seqlens_padded": cu_padded,
         "max_seqlen": max(segments),
         "sample_lengths": lengths,
-        "num_real_tokens": total,
+        "num_real_tokens": sum(lengths),
     }
 
 
@@ -124,6 +149,7 @@ def pad_bshd(samples: list[dict], seq_length: int, pad_id: int, image_token_id: 
         "pixel_values": pixel_values,
         "image_grid_thw": grids,
         "cu_seqlens": None,
+        "cu_seqlens_padded": None,
         "max_seqlen": None,
         "sample_lengths": lengths,
         "num_real_tokens": sum(lengths),

@@ -14,7 +14,7 @@ import itertools
 
 import torch
 
-from data.collate import pack_thd, pad_bshd
+from data.collate import pack_thd, pad_bshd, padded_length
 
 MIN_SAMPLES_FOR_BAD_CHECK = 20  # judge the bad-row fraction only once it means something
 
@@ -93,7 +93,7 @@ class MicroBatchIterator:
 
     def __init__(self, dataset, seq_length: int, pad_id: int, image_token_id: int, merge: int,
                  pack: bool, micro_batch_size: int, dp_rank: int, dp_size: int, start_index: int = 0,
-                 max_bad_fraction: float = 0.1, num_workers: int = 0):
+                 max_bad_fraction: float = 0.1, num_workers: int = 0, pad_multiple: int = 1):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} must be in [0, dp_size={dp_size})")
         if len(dataset) == 0:
@@ -111,6 +111,7 @@ class MicroBatchIterator:
         # num_workers > 0: rows are decoded in worker processes, in order, ahead of use; the
         # resumable state is still the next *consumed* index, so prefetched rows are not lost.
         self.num_workers = num_workers
+        self.pad_multiple = pad_multiple  # packed samples are padded to multiples of it (CP/SP)
         self._rows = None  # iterator of (index, sample, skip reason) from the workers
 
     def _read(self, index: int) -> dict | None:
@@ -161,12 +162,16 @@ class MicroBatchIterator:
         args = (self.seq_length, self.pad_id, self.image_token_id, self.merge)
         if not self.pack:
             return pad_bshd([self._take() for _ in range(self.micro_batch_size)], *args)
+
+        def size(sample):
+            return padded_length(len(sample["input_ids"]), self.pad_multiple)
+
         row = [self._take()]  # always at least one sample; pack_thd raises if it is too long
-        used = len(row[0]["input_ids"])
-        while used + len(self._peek()["input_ids"]) <= self.seq_length:
-            used += len(self._peek()["input_ids"])
+        used = size(row[0])
+        while used + size(self._peek()) <= self.seq_length:
+            used += size(self._peek())
             row.append(self._take())
-        return pack_thd(row, *args)
+        return pack_thd(row, *args, pad_multiple=self.pad_multiple)
 
     def state_dict(self) -> dict:
         """The global (unwrapped, so epochs are visible) index of this rank's next sample."""

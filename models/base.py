@@ -32,11 +32,17 @@ class MultimodalModel(MegatronModule):
         return self.language_model.shared_embedding_or_output_weight()
 
     def embed(self, tokens: torch.Tensor, pixel_values: torch.Tensor | None,
-              image_grid_thw: torch.Tensor | None) -> torch.Tensor:
-        """Token embeddings [S, B, H] with image features at the image-token positions."""
+              image_grid_thw: torch.Tensor | None, image_feature_index: torch.Tensor | None = None) -> torch.Tensor:
+        """Token embeddings [S, B, H] with image features at the image-token positions.
+
+        Under context parallelism ``tokens`` are this rank's share of the sequence and
+        ``image_feature_index`` picks, for each local image token, its row of the features of
+        all images (every CP rank encodes every image of the micro-batch)."""
         emb = self.language_model.embedding(input_ids=tokens, position_ids=None)  # [S, B, H]
         if pixel_values is not None and pixel_values.numel() and self.vision_model is not None:
             features = self.vision_model(pixel_values, image_grid_thw).to(emb.dtype)
+            if image_feature_index is not None:
+                features = features.index_select(0, image_feature_index)
             # Scatter in [B, S] order: features are ordered by sample, then position. The data
             # pipeline has already checked that image tokens and features agree in number.
             is_image = (tokens == self.image_token_id).unsqueeze(-1)
@@ -46,8 +52,9 @@ class MultimodalModel(MegatronModule):
         return emb.contiguous()
 
     def forward(self, tokens, position_ids, labels=None, pixel_values=None, image_grid_thw=None,
-                packed_seq_params=None):
-        decoder_input = self.embed(tokens, pixel_values, image_grid_thw) if self.pre_process else None
+                packed_seq_params=None, image_feature_index=None):
+        decoder_input = (self.embed(tokens, pixel_values, image_grid_thw, image_feature_index)
+                         if self.pre_process else None)
         return self.language_model(
             input_ids=tokens,
             position_ids=position_ids,

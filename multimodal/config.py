@@ -124,6 +124,9 @@ class DataConfig:
     # processes that decode/tokenise samples ahead of the trainer (0: in the training process);
     # worth it for real images (CORD), not for the mock data set
     num_workers: int = 0
+    # pad every packed sample to a multiple of this (null: what the layout needs: 2*cp, times tp
+    # under sequence parallelism); set it to compare runs of different layouts on identical rows
+    pad_multiple: int | None = None
 
 
 @dataclass
@@ -318,6 +321,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
              "data.prefetch must be >= 0 (0 disables the background loader thread) or null (auto)")
     _require(len(d.image_mean) == 3 and len(d.image_std) == 3 and all(x > 0 for x in d.image_std),
              "data.image_mean and data.image_std need 3 values (RGB), std > 0")
+    _require(d.pad_multiple is None or d.pad_multiple >= 1, "data.pad_multiple must be >= 1 or null (auto)")
     _require(d.num_workers >= 0, "data.num_workers must be >= 0 (0 reads samples in the training process)")
     _require(o.lr_decay_style in ("cosine", "linear", "constant"),
              f"optimizer.lr_decay_style must be cosine|linear|constant, got {o.lr_decay_style!r}")
@@ -337,7 +341,12 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         _require(t.micro_batch_size == 1,
                  "data.pack=true builds one packed row of train.seq_length tokens per micro-batch; "
                  "set train.micro_batch_size=1 (raise train.seq_length for more tokens per micro-batch)")
-    _require(p.cp == 1, "parallel.cp > 1 is not implemented yet; set parallel.cp=1")
+    if p.cp > 1:
+        # every sample is cut into 2*cp chunks (load-balanced zigzag); the row must split too
+        multiple = 2 * p.cp * (p.tp if p.sequence_parallel and p.tp > 1 else 1)
+        _require(t.seq_length % multiple == 0,
+                 f"train.seq_length ({t.seq_length}) must be a multiple of 2*cp{'*tp' if multiple > 2 * p.cp else ''}"
+                 f" = {multiple} under context parallelism; pick a seq_length that is")
     if p.pp > 1:
         # megatron splits the decoder evenly (get_num_layers_to_build); the vision encoder and the
         # embedding ride on the first stage, the output layer and the loss on the last.
@@ -367,6 +376,9 @@ def validate_layout(m: ModelConfig, p: ParallelConfig) -> None:
              f"model.num_attention_heads ({m.num_attention_heads}) must be divisible by parallel.tp ({p.tp})")
     _require(m.num_query_groups % p.tp == 0 or p.tp % m.num_query_groups == 0,
              f"model.num_query_groups ({m.num_query_groups}) and parallel.tp ({p.tp}) must divide one another")
+    _require(m.num_attention_heads % (p.tp * p.cp) == 0,
+             f"model.num_attention_heads ({m.num_attention_heads}) must be divisible by parallel.tp*cp "
+             f"({p.tp * p.cp}): context parallelism gives each rank heads/(tp*cp) heads of the whole sequence")
     for name in ("linear_num_key_heads", "linear_num_value_heads"):
         _require(getattr(m, name) % (p.tp * p.cp) == 0,
                  f"model.{name} ({getattr(m, name)}) must be divisible by parallel.tp*cp ({p.tp * p.cp})")

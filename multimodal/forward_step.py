@@ -12,6 +12,7 @@ from functools import partial
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from multimodal.context_parallel import CPPackedSeqParams, partition_batch
 from multimodal.loss import masked_token_loss
 
 
@@ -20,31 +21,41 @@ def to_device(batch: dict, device: torch.device, pixel_dtype: torch.dtype) -> di
     for key in ("tokens", "labels", "loss_mask", "position_ids"):
         out[key] = batch[key].to(device, non_blocking=True)
     out["pixel_values"] = batch["pixel_values"].to(device, pixel_dtype, non_blocking=True)
-    if batch.get("cu_seqlens") is not None:
-        out["cu_seqlens"] = batch["cu_seqlens"].to(device, non_blocking=True)
+    for key in ("cu_seqlens", "cu_seqlens_padded", "cp_gather_order", "cp_restore_order", "image_feature_index"):
+        if batch.get(key) is not None:
+            out[key] = batch[key].to(device, non_blocking=True)
     return out
 
 
-def packed_seq_params(batch: dict) -> PackedSeqParams | None:
+def packed_seq_params(batch: dict, cp_group=None) -> PackedSeqParams | None:
+    """THD metadata for the model; under context parallelism also the all-to-all reorder
+    indices (then BSHD batches get one too, with qkv_format "sbhd")."""
     cu = batch.get("cu_seqlens")
-    if cu is None:
-        return None
-    return PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu,
-        cu_seqlens_kv=cu,
-        cu_seqlens_q_padded=cu,
-        cu_seqlens_kv_padded=cu,
-        max_seqlen_q=batch["max_seqlen"],
-        max_seqlen_kv=batch["max_seqlen"],
-    )
+    cu_padded = batch.get("cu_seqlens_padded")
+    if cu_padded is None:
+        cu_padded = cu
+    fields = {}
+    if cu is not None:
+        fields = dict(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
+            cu_seqlens_kv_padded=cu_padded, max_seqlen_q=batch["max_seqlen"], max_seqlen_kv=batch["max_seqlen"],
+        )
+    if batch.get("cp_size", 1) > 1:
+        return CPPackedSeqParams(
+            **(fields or {"qkv_format": "sbhd"}), cp_size=batch["cp_size"], cp_rank=batch["cp_rank"],
+            cp_mixer_group=cp_group, gather_order=batch["cp_gather_order"], restore_order=batch["cp_restore_order"],
+        )
+    return PackedSeqParams(**fields) if fields else None
 
 
 class ForwardStep:
     """Callable for megatron's forward_backward_func; records host-side batch stats."""
 
-    def __init__(self, device: torch.device, pixel_dtype: torch.dtype):
+    def __init__(self, device: torch.device, pixel_dtype: torch.dtype, cp_size: int = 1, cp_rank: int = 0,
+                 cp_group=None, image_token_id: int | None = None):
         self.device, self.pixel_dtype = device, pixel_dtype
+        self.cp_size, self.cp_rank, self.cp_group = cp_size, cp_rank, cp_group
+        self.image_token_id = image_token_id
         self.batches: list[dict] = []  # host metadata of this step's micro-batches (for FLOPs)
 
     def __call__(self, data_iterator, model):
@@ -52,6 +63,8 @@ class ForwardStep:
         self.batches.append(
             {k: batch[k] for k in ("sample_lengths", "num_real_tokens", "image_grid_thw")}
         )
+        if self.cp_size > 1:  # every CP rank read the same micro-batch; keep this rank's chunks
+            batch = partition_batch(batch, self.cp_size, self.cp_rank, self.image_token_id)
         b = to_device(batch, self.device, self.pixel_dtype)
         output = model(
             b["tokens"],
@@ -59,6 +72,7 @@ class ForwardStep:
             labels=b["labels"],
             pixel_values=b["pixel_values"],
             image_grid_thw=b["image_grid_thw"],
-            packed_seq_params=packed_seq_params(b),
+            packed_seq_params=packed_seq_params(b, self.cp_group),
+            image_feature_index=b.get("image_feature_index"),
         )
         return output, partial(masked_token_loss, loss_mask=b["loss_mask"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,14 @@ log = logging.getLogger(__name__)
 class TrainResult:
     losses: dict[int, float] = field(default_factory=dict)
     last_iteration: int = 0
+
+
+def sequence_pad_multiple(cfg: Config) -> int:
+    """Every packed sample is padded to a multiple of this: context parallelism cuts each sample
+    into 2*cp chunks, and sequence parallelism splits each rank's tokens over tp."""
+    p = cfg.parallel
+    need = (2 * p.cp if p.cp > 1 else 1) * (p.tp if p.sequence_parallel and p.tp > 1 else 1)
+    return math.lcm(need, cfg.data.pad_multiple or 1)
 
 
 def resolve_dtype(precision: str, rt: Runtime) -> torch.dtype:
@@ -202,7 +211,7 @@ def _train(cfg: Config, rt: Runtime) -> TrainResult:
     loader = MicroBatchIterator(
         dataset, t.seq_length, m.pad_token_id, m.image_token_id, m.vision.spatial_merge_size,
         cfg.data.pack, t.micro_batch_size, dp_rank, dp_size, max_bad_fraction=cfg.data.max_bad_fraction,
-        num_workers=cfg.data.num_workers,
+        num_workers=cfg.data.num_workers, pad_multiple=sequence_pad_multiple(cfg),
     )
 
     start = 0
@@ -237,7 +246,9 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
     for it in range(start + 1, t.iters + 1):
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        step = ForwardStep(rt.device, dtype)
+        step = ForwardStep(rt.device, dtype, cp_size=ps.get_context_parallel_world_size(),
+                           cp_rank=ps.get_context_parallel_rank(), cp_group=ps.get_context_parallel_group(),
+                           image_token_id=m.image_token_id)
         outputs = fwd_bwd(
             forward_step_func=step,
             data_iterator=batches,
@@ -294,6 +305,8 @@ def _log_metrics(it, report, grad_norm, scheduler, window: _Window, peak, rt: Ru
     if ps.get_pipeline_model_parallel_world_size() > 1:
         dist.broadcast(report, src=ps.get_pipeline_model_parallel_last_rank(),
                        group=ps.get_pipeline_model_parallel_group())
+    if ps.get_context_parallel_world_size() > 1:  # each CP rank holds the loss of its own tokens
+        dist.all_reduce(report, group=ps.get_context_parallel_group())
     totals = torch.cat([report.double(), torch.tensor([window.tokens, window.flops], dtype=torch.float64,
                                                       device=report.device)])
     dist.all_reduce(totals, group=dp_group)  # loss and tokens of the whole data-parallel batch

@@ -15,13 +15,20 @@ from __future__ import annotations
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.module import MegatronModule
 
+from kernels import fused_mrope
 from models.common.attention import attention
-from models.qwen35_vl.mrope import apply_rotary
+from multimodal.context_parallel import cp_info, heads_to_tokens, split_heads, tokens_to_heads
+from models.qwen35_vl.mrope import apply_rotary, axis_of_frequency, mrope_angles
 
 
 class MRopeSelfAttention(SelfAttention):
+    # set by Qwen35LanguageModel (with a buffer mrope_inv_freq) for the fused path
+    mrope_section: tuple = ()
+    mrope_interleaved: bool = True
+
     def forward(self, hidden_states, attention_mask, *args, rotary_pos_emb=None, **kwargs):
-        # rotary_pos_emb carries MRoPE angles [S, B, 1, rot_dim]; we apply them ourselves.
+        # rotary_pos_emb carries MRoPE angles [S, B, 1, rot_dim], or with model.fused_mrope the
+        # position ids [3, B, S] (int); we apply them ourselves.
         self._mrope_angles = rotary_pos_emb
         try:
             return super().forward(hidden_states, attention_mask, *args, rotary_pos_emb=None, **kwargs)
@@ -34,7 +41,23 @@ class MRopeSelfAttention(SelfAttention):
         if angles is None:
             return out
         query, key, *rest = out
+        if not angles.is_floating_point():  # position ids: one fused kernel per tensor
+            return (*self._rotate_from_positions(query, key, angles), *rest)
         return (apply_rotary(query, angles), apply_rotary(key, angles), *rest)
+
+    def _rotate_from_positions(self, query, key, pos):
+        if self.mrope_inv_freq.device != query.device:
+            self.mrope_inv_freq = self.mrope_inv_freq.to(query.device)
+        inv = self.mrope_inv_freq
+        layout = "sbhd" if query.dim() == 4 else "thd"
+        reason = fused_mrope.available(query, layout)
+        if reason is None:
+            return tuple(fused_mrope.fused_mrope(t, pos, inv, self.mrope_section, self.mrope_interleaved, layout)
+                         for t in (query, key))
+        fused_mrope.warn_fallback(reason)
+        axis = axis_of_frequency(inv.numel(), list(self.mrope_section), self.mrope_interleaved)
+        angles = mrope_angles(pos, inv, axis).transpose(0, 1).unsqueeze(2)  # [S, B, 1, rot]
+        return apply_rotary(query, angles), apply_rotary(key, angles)
 
 
 class CoreAttention(MegatronModule):
@@ -49,6 +72,9 @@ class CoreAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **_):
+        cp = cp_info(packed_seq_params)
+        if cp is not None:
+            return self._context_parallel(query, key, value, cp)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             cu = packed_seq_params.cu_seqlens_q_padded
             if cu is None:
@@ -64,3 +90,26 @@ class CoreAttention(MegatronModule):
         out = attention(q, k, v, causal=True, scale=self.scale, backend=self.backend)
         return out.transpose(0, 1).reshape(out.shape[1], out.shape[0], -1)
 
+    def _context_parallel(self, query, key, value, cp):
+        """Head-parallel attention over the whole sequence (see multimodal/context_parallel.py).
+
+        q/k/v arrive as this rank's tokens [S_local, B, H, D] (THD: B = 1). KV heads that do not
+        split over cp (e.g. 2 KV heads, cp = 4) are repeated up to the query heads first."""
+        seq_local, batch = query.shape[0], query.shape[1] if query.dim() == 4 else 1
+        q, k, v = (t.reshape(seq_local, batch, t.shape[-2], t.shape[-1]) for t in (query, key, value))
+        if k.shape[2] % cp.cp_size:
+            rep = q.shape[2] // k.shape[2]
+            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        q, k, v = (tokens_to_heads(split_heads(t, cp.cp_size), cp) for t in (q, k, v))  # [S, B, H/cp, D]
+        if cp.qkv_format == "thd":
+            out = attention(
+                q[:, 0], k[:, 0], v[:, 0], causal=True, scale=self.scale, cu_seqlens=cp.cu_seqlens_q_padded,
+                max_seqlen=cp.max_seqlen_q, backend=self.backend,
+            )[:, None]
+        else:
+            out = attention(*(t.transpose(0, 1) for t in (q, k, v)), causal=True, scale=self.scale,
+                            backend=self.backend).transpose(0, 1)
+        out = heads_to_tokens(out, cp)  # [S_local, B, cp, H/cp, D]
+        if cp.qkv_format == "thd":
+            return out.reshape(seq_local, -1)
+        return out.reshape(seq_local, batch, -1)

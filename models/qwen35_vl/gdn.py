@@ -18,18 +18,18 @@ import torch
 import torch.nn.functional as F
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
+from kernels import fused_pre_gdr
 from kernels import gated_delta_rule as gdr
+from multimodal.context_parallel import cp_info, heads_to_tokens, tokens_to_heads
 
 
 class Qwen35GatedDeltaNet(GatedDeltaNet):
     gdn_backend_request: str = "auto"
+    # model.gdn_pre_impl as build() resolved it: "fused" (kernels/fused_pre_gdr.py) or "unfused"
+    gdn_pre_impl: str = "unfused"
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.cp_size > 1:
-            raise NotImplementedError(
-                "Gated DeltaNet under context parallelism is not implemented yet; set parallel.cp=1"
-            )
         self.kernel_backend = gdr.gdn_backend(self.gdn_backend_request)
 
     def forward(self, hidden_states, attention_mask=None, inference_context=None, packed_seq_params=None,
@@ -41,9 +41,18 @@ class Qwen35GatedDeltaNet(GatedDeltaNet):
                 cu_seqlens = packed_seq_params.cu_seqlens_q
 
         proj, _ = self.in_proj(hidden_states)  # [S, B, D_local] (S gathered under SP)
-        q, k, v, g, beta, z = self.prepare(proj, cu_seqlens)
-        core = gdr.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, self.kernel_backend)  # [B, S, nv, V]
+        cp = cp_info(packed_seq_params)
+        if cp is not None:
+            core, z = self._context_parallel_core(proj, cp, cu_seqlens)
+        else:
+            q, k, v, g, beta, z = self.prepare(proj, cu_seqlens)
+            core = gdr.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, self.kernel_backend)  # [B, S, nv, V]
         return self.out_proj(self.norm_out(core, z))
+
+    def _split_proj(self, proj: torch.Tensor):
+        """in_proj output [S, B, D_local] -> q, k, v (conv channels), z, b, a along the last dim."""
+        qk, vd, nv = self.qk_dim_local_tp, self.v_dim_local_tp, self.num_v_heads_local_tp
+        return torch.split(proj, [qk, qk, vd, vd, nv, nv], dim=-1)
 
     def prepare(self, proj: torch.Tensor, cu_seqlens: torch.Tensor | None):
         """in_proj output [S, B, D_local] -> delta-rule inputs (q, k, v, g, beta) and the gate z.
@@ -51,25 +60,76 @@ class Qwen35GatedDeltaNet(GatedDeltaNet):
         q, k [B, S, nv, K] (l2-normed, repeated to the value heads), v and z [B, S, nv, V],
         g (log-space decay, fp32) and beta [B, S, nv].
         """
-        proj = proj.transpose(0, 1)  # [B, S, D_local]
-        batch, seq = proj.shape[:2]
-        qk, vd = self.qk_dim_local_tp, self.v_dim_local_tp
-        nv = self.num_v_heads_local_tp
-        qkv, z, b, a = torch.split(proj, [2 * qk + vd, vd, nv, nv], dim=-1)
+        if self._use_fused_pre(proj):
+            return self._prepare_fused(proj, cu_seqlens)
+        q, k, v, z, b, a = (t.transpose(0, 1) for t in self._split_proj(proj))  # [B, S, ...]
+        qkv = torch.cat([q, k, v], dim=-1)
+        out = self.prepare_heads(qkv, b, a, self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias, cu_seqlens)
+        batch, seq = z.shape[:2]
+        return (*out, z.reshape(batch, seq, -1, self.value_head_dim))
 
-        qkv = gdr.causal_conv1d_silu(qkv, self.conv1d.weight.squeeze(1), cu_seqlens, self.kernel_backend)
-        q, k, v = torch.split(qkv, [qk, qk, vd], dim=-1)
-        q = gdr.l2norm(q.reshape(batch, seq, -1, self.key_head_dim))
-        k = gdr.l2norm(k.reshape(batch, seq, -1, self.key_head_dim))
+    def prepare_heads(self, qkv, b, a, conv_weight, A_log, dt_bias, cu_seqlens):
+        """The pre-delta-rule chain for any contiguous group of heads: qkv [B, S, 2*nk*K + nv*V]
+        (q | k | v channels), b, a [B, S, nv]; conv_weight [channels, width]; A_log, dt_bias [nv].
+        Returns q, k [B, S, nv, K], v [B, S, nv, V], g (fp32), beta [B, S, nv]."""
+        batch, seq = qkv.shape[:2]
+        nv = b.shape[-1]
+        nk = (qkv.shape[-1] - nv * self.value_head_dim) // (2 * self.key_head_dim)
+        qkv = gdr.causal_conv1d_silu(qkv, conv_weight, cu_seqlens, self.kernel_backend)
+        q, k, v = torch.split(qkv, [nk * self.key_head_dim, nk * self.key_head_dim, nv * self.value_head_dim], dim=-1)
+        q = gdr.l2norm(q.reshape(batch, seq, nk, self.key_head_dim))
+        k = gdr.l2norm(k.reshape(batch, seq, nk, self.key_head_dim))
         v = v.reshape(batch, seq, nv, self.value_head_dim)
-        if nv != q.shape[2]:
-            rep = nv // q.shape[2]
-            q, k = q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2)
-
+        if nv != nk:
+            q, k = q.repeat_interleave(nv // nk, dim=2), k.repeat_interleave(nv // nk, dim=2)
         beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        z = z.reshape(batch, seq, nv, self.value_head_dim)
-        return q.contiguous(), k.contiguous(), v.contiguous(), g, beta, z
+        g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+        return q.contiguous(), k.contiguous(), v.contiguous(), g, beta
+
+    def _context_parallel_core(self, proj: torch.Tensor, cp, cu_seqlens):
+        """Head-parallel GDN (multimodal/context_parallel.py): rank r runs the conv and the delta
+        rule over the whole sequence for its 1/cp of the key and value heads, then the outputs go
+        back to the local tokens. The gate z never leaves its rank."""
+        n = cp.cp_size
+        q, k, v, z, b, a = self._split_proj(proj)  # [S_local, B, ...]
+        seq_local, batch = proj.shape[:2]
+        grouped = [t.reshape(seq_local, batch, n, -1) for t in (q, k, v, b, a)]  # head groups on dim 2
+        widths = [t.shape[-1] for t in grouped]
+        full = tokens_to_heads(torch.cat(grouped, dim=-1), cp)  # [S, B, sum(widths)]
+        qg, kg, vg, bg, ag = (t.transpose(0, 1) for t in torch.split(full, widths, dim=-1))  # [B, S, ...]
+        r = cp.cp_rank
+        weight = self.conv1d.weight.squeeze(1)
+        w_q, w_k, w_v = torch.split(weight, [self.qk_dim_local_tp, self.qk_dim_local_tp, self.v_dim_local_tp])
+        conv_weight = torch.cat([w.reshape(n, -1, w.shape[-1])[r] for w in (w_q, w_k, w_v)])
+        nv = self.num_v_heads_local_tp // n
+        heads = slice(r * nv, (r + 1) * nv)
+        qh, kh, vh, g, beta = self.prepare_heads(
+            torch.cat([qg, kg, vg], dim=-1), bg, ag, conv_weight, self.A_log[heads], self.dt_bias[heads], cu_seqlens
+        )
+        core = gdr.chunk_gated_delta_rule(qh, kh, vh, g, beta, cu_seqlens, self.kernel_backend)  # [B, S, nv/cp, V]
+        core = heads_to_tokens(core.transpose(0, 1), cp)  # [S_local, B, cp, nv/cp, V]
+        core = core.reshape(seq_local, batch, -1, self.value_head_dim).transpose(0, 1)
+        return core, z.transpose(0, 1).reshape(batch, seq_local, -1, self.value_head_dim)
+
+    def _use_fused_pre(self, proj: torch.Tensor) -> bool:
+        if self.gdn_pre_impl != "fused":
+            return False
+        nk = self.qk_dim_local_tp // self.key_head_dim
+        reason = fused_pre_gdr.available(proj, self.conv1d.weight, nk, self.num_v_heads_local_tp)
+        if reason is not None:
+            fused_pre_gdr.warn_fallback(reason)
+        return reason is None
+
+    def _prepare_fused(self, proj: torch.Tensor, cu_seqlens: torch.Tensor | None):
+        """prepare() in one Triton kernel each way. q|k|v are adjacent in in_proj's output, so the
+        kernel reads them in place through the [B, S, D] view: no copy before it."""
+        qk, vd, nv = self.qk_dim_local_tp, self.v_dim_local_tp, self.num_v_heads_local_tp
+        qkv, z, b, a = torch.split(proj.transpose(0, 1), [2 * qk + vd, vd, nv, nv], dim=-1)
+        q, k, v, g, beta = fused_pre_gdr.fused_pre_gdr(
+            qkv, b, a, self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias, cu_seqlens,
+            qk // self.key_head_dim, self.key_head_dim, self.value_head_dim,
+        )
+        return q, k, v, g, beta, z.reshape(*z.shape[:2], nv, self.value_head_dim)
 
     def norm_out(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """Gated RMSNorm of the delta-rule output [B, S, nv, V] -> [S, B, nv*V] for out_proj."""
