@@ -188,6 +188,12 @@ class LoggingConfig:
     wandb_mode: str = "offline"
     progress_bar: bool = True
     peak_tflops: float | None = None  # per device; default from the device name (H100/H200: 989)
+    # CUDA allocator history from start-up, dumped to <dir>/memory_snapshot.pickle after step
+    # memory_snapshot_step (pytorch.org/memory_viz); multimodal/memory.py. No-op on CPU.
+    memory_history: bool = False
+    memory_snapshot_step: int = 3
+    # 0: Python's automatic GC; N: GC off, gc.collect() every N steps on every rank at once
+    manual_gc_interval: int = 0
 
 
 @dataclass
@@ -310,6 +316,12 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     ]:
         _require(value >= 1, f"{name} must be >= 1, got {value}")
     _require(cfg.checkpoint.interval >= 0, "checkpoint.interval must be >= 0 (0 = only at the end)")
+    _require(cfg.logging.memory_snapshot_step >= 1,
+             f"logging.memory_snapshot_step must be >= 1 (the step after which the snapshot is written), "
+             f"got {cfg.logging.memory_snapshot_step}")
+    _require(cfg.logging.manual_gc_interval >= 0,
+             f"logging.manual_gc_interval must be >= 0 (0 keeps Python's automatic GC), "
+             f"got {cfg.logging.manual_gc_interval}")
     _require(t.precision in ("auto", "bf16", "fp32"), f"train.precision must be auto|bf16|fp32, got {t.precision!r}")
     _require(d.name in ("mock", "cord_v2"), f"data.name {d.name!r} is not available; choose: mock, cord_v2")
     if d.name == "cord_v2":

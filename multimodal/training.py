@@ -33,6 +33,7 @@ from multimodal.config import Config, ConfigError, resolve_sources, validate
 from multimodal.flops import device_peak_tflops, training_flops
 from multimodal.forward_step import ForwardStep
 from multimodal.loss import masked_token_loss
+from multimodal.memory import MemoryTools
 from multimodal.metrics import MetricsSink
 from multimodal.platform import Runtime, init_distributed, seed_everything
 
@@ -198,6 +199,8 @@ def train(cfg: Config) -> TrainResult:
 def _train(cfg: Config, rt: Runtime) -> TrainResult:
     t, m = cfg.train, cfg.model
     seed_everything(t.seed)
+    # before the model is built, so the allocator history shows parameters and optimizer state too
+    mem = MemoryTools(cfg.logging, rt.is_cuda, dist.get_rank()).start()
     dtype = resolve_dtype(t.precision, rt)
     model, ddp, optimizer, scheduler = build_model_and_optimizer(cfg, rt, dtype)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -226,13 +229,15 @@ def _train(cfg: Config, rt: Runtime) -> TrainResult:
     depth = cfg.data.prefetch if cfg.data.prefetch is not None else (2 if rt.is_cuda else 0)
     batches = Prefetcher(loader, depth) if depth else loader
     try:
-        return _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microbatches, dtype)
+        return _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microbatches, dtype, mem)
     finally:
+        mem.close()
         if batches is not loader:
             batches.close()
 
 
-def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microbatches, dtype) -> TrainResult:
+def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microbatches, dtype,
+          mem: MemoryTools | None = None) -> TrainResult:
     t, m, ck = cfg.train, cfg.model, cfg.checkpoint
     sink = MetricsSink(cfg.logging, rt.is_main, t.iters, start, cfg.to_dict())
     fwd_bwd = get_forward_backward_func()
@@ -264,6 +269,8 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
             report += out["lm loss"]
         window.add(step.batches, m)
         sink.advance()
+        if mem is not None:
+            mem.after_step(it)
 
         if it % cfg.logging.interval == 0 or it == t.iters:
             metrics = _log_metrics(it, report, grad_norm, scheduler, window, peak, rt)

@@ -1,0 +1,400 @@
+"""End-to-end training throughput: our trainer vs transformers' Qwen3.5(-MoE), same process, same GPU.
+
+    python scripts/bench_train.py --config configs/qwen35_vl_2b.yaml [key=value ...] \
+        [--warmup 3] [--steps 10] [--json OUT] [--skip-hf] [--hf-feed row|samples] [--hf-gdn auto|fla|torch]
+
+1. Ours: ``multimodal.training.train`` itself (the real loop: megatron DDP, its optimizer, the
+   forward-backward schedule, prefetch) runs ``warmup + steps`` iterations; the timed figures
+   come from its own metrics (``logging.interval = gcd(warmup, steps)``, so the windows after
+   the warm-up cover exactly the timed steps).
+2. The model, optimizer and process-group state are then dropped (``gc.collect``,
+   ``torch.cuda.empty_cache``, peak stats reset) and transformers' model is built from the same
+   model section (``models.qwen35_vl.hf.hf_config_from_ours``) with random weights in the same
+   dtype, SDPA attention, flash-linear-attention's GDN kernels when importable, and
+   ``torch.optim.AdamW(fused=True)`` on CUDA. It trains on the very batches our run consumed
+   (the loader is rebuilt with the same seed; the supervised-token counts per step are checked
+   against our metrics), warm-up then timed steps, one optimizer step per global batch.
+
+What transformers gets: it has no packed (varlen) path with SDPA, so each packed micro-batch is
+fed as
+  - ``row`` (default): the real tokens of all packed samples concatenated into one sequence
+    (padding dropped), with all their images, positions from transformers' own
+    ``get_rope_index`` over that row; causal attention then spans sample boundaries (more
+    attention work than ours; the issue's baseline is likewise one long sequence);
+  - ``samples``: one forward/backward per packed sample (exactly our per-sample semantics, at
+    the price of more, smaller kernels).
+Labels: our (shifted) supervised labels, placed where transformers' internal shift expects them.
+
+Both sides are credited the same work: real tokens and ``multimodal.flops.training_flops`` of
+the real samples (never padding, never the cross-sample attention of ``row``). MFU divides by
+the device's dense bf16 peak (``multimodal.flops.PEAK_TFLOPS``: H100/H200 989 TFLOP/s) or
+``logging.peak_tflops``; it is null when neither is known (CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import inspect
+import json
+import logging
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+log = logging.getLogger("bench_train")
+
+
+class BenchError(RuntimeError):
+    pass
+
+
+# ------------------------------------------------------------------ ours
+
+
+def run_ours(cfg, warmup: int, steps: int) -> dict:
+    from multimodal.training import train
+
+    train(cfg)
+    rows = [json.loads(line) for line in (Path(cfg.logging.dir) / "metrics.jsonl").read_text().splitlines()]
+    timed = [r for r in rows if r["step"] > warmup]
+    if not timed:
+        raise BenchError(f"no metrics rows after the {warmup} warm-up steps in {cfg.logging.dir}/metrics.jsonl")
+    interval = cfg.logging.interval
+    elapsed = [r["step_time_s"] * interval for r in timed]
+    total = sum(elapsed)
+    tokens = sum(r["tokens_per_s"] * e for r, e in zip(timed, elapsed))
+    tflop = sum(r["tflops_per_gpu"] * e for r, e in zip(timed, elapsed))
+    mfu = [r["mfu"] for r in timed]
+    return {
+        "step_time_s": total / steps,
+        "tokens_per_s": tokens / total,
+        "tflops_per_gpu": tflop / total,
+        "mfu": None if any(x is None for x in mfu) else sum(x * e for x, e in zip(mfu, elapsed)) / total,
+        "peak_mem_gib": max(r["mem_peak_gib"] for r in rows),
+        "loss_first": rows[0]["loss"],
+        "loss_last": rows[-1]["loss"],
+        "supervised_tokens_per_window": [r["supervised_tokens"] for r in rows],
+    }
+
+
+# ------------------------------------------------------------------ the same batches
+
+
+def rebuild_batches(cfg, total_steps: int) -> list[list[dict]]:
+    """The micro-batches of steps 1..total_steps as our (single-process) run consumed them."""
+    from data.loader import MicroBatchIterator, build_dataset
+
+    m, t = cfg.model, cfg.train
+    dataset = build_dataset(m, cfg.data, t.seq_length)
+    loader = MicroBatchIterator(dataset, t.seq_length, m.pad_token_id, m.image_token_id, m.vision.spatial_merge_size,
+                                cfg.data.pack, t.micro_batch_size, 0, 1, max_bad_fraction=cfg.data.max_bad_fraction)
+    per_step = t.global_batch_size // t.micro_batch_size
+    it = iter(loader)
+    return [[next(it) for _ in range(per_step)] for _ in range(total_steps)]
+
+
+def split_samples(batch: dict, m) -> list[dict]:
+    """Each real sample of a (packed or padded) micro-batch: its tokens, supervised labels,
+    pixel rows and image grids."""
+    merge2 = m.vision.spatial_merge_size**2
+    grids = [tuple(int(x) for x in g) for g in batch["image_grid_thw"].tolist()]
+    lengths = list(batch["sample_lengths"])
+    packed = batch.get("cu_seqlens") is not None
+    if packed:
+        bounds = batch.get("cu_seqlens_padded")
+        bounds = (bounds if bounds is not None else batch["cu_seqlens"]).tolist()
+        spans = [(0, bounds[i], bounds[i] + n) for i, n in enumerate(lengths)]
+    else:
+        spans = [(i, 0, n) for i, n in enumerate(lengths)]
+    samples, g, pix = [], 0, 0
+    for row, a, b in spans:
+        ids = batch["tokens"][row, a:b]
+        labels = batch["labels"][row, a:b].masked_fill(batch["loss_mask"][row, a:b] == 0, -100)
+        want = int((ids == m.image_token_id).sum())
+        mine = []
+        while want > 0:
+            t, h, w = grids[g]
+            mine.append(grids[g])
+            want -= t * h * w // merge2
+            g += 1
+        if want != 0:
+            raise BenchError("image tokens of a sample do not match its image grids")
+        rows = sum(t * h * w for t, h, w in mine)
+        samples.append({"ids": ids, "labels": labels, "pixels": batch["pixel_values"][pix:pix + rows], "grids": mine})
+        pix += rows
+    return samples
+
+
+def hf_calls(batch: dict, m, feed: str) -> list[dict]:
+    """transformers inputs for one micro-batch (see the module docstring for ``row`` vs ``samples``)."""
+    samples = split_samples(batch, m)
+    if feed == "row":
+        samples = [{
+            "ids": torch.cat([s["ids"] for s in samples]),
+            "labels": torch.cat([s["labels"] for s in samples]),
+            "pixels": torch.cat([s["pixels"] for s in samples]),
+            "grids": [g for s in samples for g in s["grids"]],
+        }]
+    calls = []
+    for s in samples:
+        # our labels are already shifted (labels[t] is the target of token t); transformers
+        # shifts internally (its logits[t] are scored against labels[t + 1])
+        hf_labels = torch.full_like(s["labels"], -100)
+        hf_labels[1:] = s["labels"][:-1]
+        call = {"input_ids": s["ids"][None], "labels": hf_labels[None]}
+        if s["grids"]:
+            call["pixel_values"] = s["pixels"]
+            call["image_grid_thw"] = torch.tensor(s["grids"], dtype=torch.long)
+        calls.append(call)
+    return calls
+
+
+# ------------------------------------------------------------------ transformers
+
+
+def build_hf(m, dtype, device, gdn: str):
+    import transformers
+
+    from models.qwen35_vl.hf import hf_config_from_ours
+
+    cfg_dict = hf_config_from_ours(m)
+    arch = cfg_dict["architectures"][0]
+    cls = getattr(transformers, arch, None)
+    if cls is None:
+        raise BenchError(f"transformers {transformers.__version__} has no {arch}; Qwen3.5 needs transformers >= 5")
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "config.json").write_text(json.dumps(cfg_dict))
+        config = transformers.AutoConfig.from_pretrained(d)
+    config._attn_implementation = "sdpa"
+    kernels = "torch"
+    if gdn in ("auto", "fla") and device.type == "cuda" and importlib.util.find_spec("fla") is not None:
+        kernels = "fla"
+    if gdn == "fla" and kernels != "fla":
+        raise BenchError("--hf-gdn fla needs flash-linear-attention (`fla`) and a CUDA device")
+    if kernels == "torch":
+        force_hf_torch_gdn()
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # build in the training dtype directly (a 2B fp32 copy is 8 GiB)
+    try:
+        with torch.device(device):
+            model = cls(config)
+    finally:
+        torch.set_default_dtype(prev)
+    model.to(device=device, dtype=dtype)
+    if kernels == "torch":
+        force_hf_torch_gdn(model)
+    model.train()
+    return model, kernels
+
+
+def force_hf_torch_gdn(model=None) -> None:
+    """transformers picks fla's Triton kernels whenever ``fla`` imports (module-level wrappers in
+    5.2x, per-layer attributes in some versions); use its own PyTorch GDN instead."""
+    from models.qwen35_vl.parity import use_hf_torch_kernels
+
+    use_hf_torch_kernels()
+    if model is None:
+        return
+    import importlib
+
+    for modname in ("transformers.models.qwen3_5.modeling_qwen3_5",
+                    "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"):
+        mod = importlib.import_module(modname)
+        for layer in model.modules():
+            if type(layer).__name__.endswith("GatedDeltaNet") and type(layer).__module__ == modname:
+                for attr, fn in (("chunk_gated_delta_rule", "torch_chunk_gated_delta_rule"),
+                                 ("recurrent_gated_delta_rule", "torch_recurrent_gated_delta_rule"),
+                                 ("causal_conv1d_fn", None), ("causal_conv1d_update", None)):
+                    if callable(getattr(layer, attr, None)) and not isinstance(getattr(layer, attr), torch.nn.Module):
+                        setattr(layer, attr, getattr(mod, fn, None) if fn else None)
+
+
+def run_hf(cfg, batches: list[list[dict]], warmup: int, steps: int, dtype, device, feed: str, gdn: str) -> dict:
+    from multimodal.flops import device_peak_tflops, training_flops
+
+    m, o = cfg.model, cfg.optimizer
+    model, kernels = build_hf(m, dtype, device, gdn)
+    fused = device.type == "cuda"
+    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps,
+                                  weight_decay=o.weight_decay, fused=fused)
+    accepts = set(inspect.signature(model.forward).parameters)
+    step_inputs = []
+    for step in batches:
+        calls = []
+        for b in step:
+            for c in hf_calls(b, m, feed):
+                if "mm_token_type_ids" in accepts:  # transformers >= 5.2x wants the modality per token
+                    c["mm_token_type_ids"] = (c["input_ids"] == m.image_token_id).int()
+                c = {k: v.to(device) for k, v in c.items()}
+                if "pixel_values" in c:
+                    c["pixel_values"] = c["pixel_values"].to(dtype)
+                calls.append(c)
+        step_inputs.append(calls)
+
+    def one_step(calls):
+        optimizer.zero_grad(set_to_none=True)
+        loss = None
+        for c in calls:
+            out = model(**c)
+            out.loss.backward()
+            loss = out.loss.detach()
+        optimizer.step()
+        return loss
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    times, loss = [], None
+    for i, calls in enumerate(step_inputs):
+        sync()
+        t0 = time.perf_counter()
+        loss = one_step(calls)
+        sync()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    total = sum(times)
+    timed = [b for step in batches[warmup:] for b in step]
+    tokens = sum(b["num_real_tokens"] for b in timed)
+    flops = sum(training_flops(m, b["sample_lengths"], [tuple(g) for g in b["image_grid_thw"].tolist()]) for b in timed)
+    peak = device_peak_tflops(cfg.logging.peak_tflops)
+    tflops = flops / total / 1e12
+    result = {
+        "hf_step_time_s": total / steps,
+        "hf_tokens_per_s": tokens / total,
+        "hf_tflops_per_gpu": tflops,
+        "hf_mfu": tflops / peak if peak else None,
+        "hf_peak_mem_gib": (torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None),
+        "hf_loss_last": float(loss) if loss is not None else None,
+        "hf_gdn_kernels": kernels,
+        "hf_feed": feed,
+        "hf_forward_calls_per_step": len(step_inputs[0]),
+    }
+    del model, optimizer, step_inputs
+    return result
+
+
+# ------------------------------------------------------------------ main
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", required=True)
+    ap.add_argument("overrides", nargs="*", help="section.key=value")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--json", help="write the result here (JSON)")
+    ap.add_argument("--skip-hf", action="store_true", help="only our trainer")
+    ap.add_argument("--hf-feed", choices=("row", "samples"), default="row")
+    ap.add_argument("--hf-gdn", choices=("auto", "fla", "torch"), default="auto",
+                    help="transformers' GDN kernels: fla when importable on CUDA (auto), or its PyTorch path")
+    args = ap.parse_args(argv)
+    if args.warmup < 0 or args.steps < 1:
+        ap.error("--warmup must be >= 0 and --steps >= 1")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    from multimodal.config import load_config, resolve_sources
+    from multimodal.platform import init_distributed
+
+    total = args.warmup + args.steps
+    interval = math.gcd(args.warmup, args.steps)
+    out_dir = tempfile.mkdtemp(prefix="bench_train_")
+    # ours: no checkpoints, no progress bar / TensorBoard; logs exactly at the warm-up boundary
+    forced = [f"train.iters={total}", f"logging.interval={interval}", "checkpoint.dir=null",
+              "checkpoint.save_at_end=false", "checkpoint.load=null", "logging.progress_bar=false",
+              "logging.tensorboard=false", "logging.wandb=false", "logging.memory_history=false"]
+    cfg = load_config(args.config, [f"logging.dir={out_dir}", *args.overrides, *forced])
+    resolve_sources(cfg)
+    rt = init_distributed()
+    if rt.world_size != 1:
+        raise BenchError("bench_train.py compares one GPU with transformers on the same GPU: run it as one "
+                         f"process (world size is {rt.world_size})")
+    device = rt.device
+    from multimodal.training import resolve_dtype
+
+    dtype = resolve_dtype(cfg.train.precision, rt)
+
+    ours = run_ours(cfg, args.warmup, args.steps)
+    gc.collect()
+    if rt.is_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    result = {
+        "device": torch.cuda.get_device_name() if rt.is_cuda else "cpu",
+        "config": args.config,
+        "overrides": args.overrides,
+        "dtype": str(dtype).replace("torch.", ""),
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "seq_length": cfg.train.seq_length,
+        "global_batch_size": cfg.train.global_batch_size,
+        "peak_tflops": __import__("multimodal.flops", fromlist=["x"]).device_peak_tflops(cfg.logging.peak_tflops),
+        **{k: v for k, v in ours.items() if k != "supervised_tokens_per_window"},
+        "mem_after_free_gib": torch.cuda.memory_allocated() / 2**30 if rt.is_cuda else None,
+        "torch": torch.__version__,
+    }
+    hf_keys = ("hf_tokens_per_s", "hf_tflops_per_gpu", "hf_mfu", "hf_peak_mem_gib", "hf_step_time_s")
+    result.update({k: None for k in hf_keys})
+    result["speedup_vs_hf"] = None
+    if not args.skip_hf:
+        import transformers
+
+        result["transformers"] = transformers.__version__
+        batches = rebuild_batches(cfg, total)
+        # the rebuilt batches must be the ones our run trained on: compare supervised tokens per window
+        sup = [sum(int(b["loss_mask"].sum()) for step in batches[i:i + interval] for b in step)
+               for i in range(0, total, interval)]
+        if sup != ours["supervised_tokens_per_window"]:
+            raise BenchError(f"rebuilt batches differ from the trained ones (supervised tokens {sup} vs "
+                             f"{ours['supervised_tokens_per_window']})")
+        try:
+            result.update(run_hf(cfg, batches, args.warmup, args.steps, dtype, device, args.hf_feed, args.hf_gdn))
+        except torch.cuda.OutOfMemoryError as e:
+            result["hf_error"] = f"out of memory: {str(e).splitlines()[0]}"
+        if result["hf_tokens_per_s"]:
+            result["speedup_vs_hf"] = result["tokens_per_s"] / result["hf_tokens_per_s"]
+    text = json.dumps(result, indent=1)
+    print(text)
+    _summary(result)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text + "\n")
+    return result
+
+
+def _summary(r: dict) -> None:
+    def f(x, fmt):
+        return "n/a" if x is None else format(x, fmt)
+
+    print(f"\n{r['config']} on {r['device']} ({r['dtype']}, seq {r['seq_length']}, {r['steps']} timed steps)",
+          file=sys.stderr)
+    print(f"  ours: {f(r['step_time_s'], '.3f')} s/step  {f(r['tokens_per_s'], ',.0f')} tokens/s  "
+          f"{f(r['tflops_per_gpu'], '.1f')} TFLOP/s  MFU {f(r['mfu'], '.1%')} (peak {r['peak_tflops']})  "
+          f"peak mem {f(r['peak_mem_gib'], '.1f')} GiB", file=sys.stderr)
+    if r.get("hf_tokens_per_s") is not None:
+        print(f"  HF:   {f(r['hf_step_time_s'], '.3f')} s/step  {f(r['hf_tokens_per_s'], ',.0f')} tokens/s  "
+              f"{f(r['hf_tflops_per_gpu'], '.1f')} TFLOP/s  MFU {f(r['hf_mfu'], '.1%')}  "
+              f"peak mem {f(r['hf_peak_mem_gib'], '.1f')} GiB  (GDN kernels: {r['hf_gdn_kernels']}, feed: "
+              f"{r['hf_feed']})", file=sys.stderr)
+        print(f"  ours / HF tokens/s: {r['speedup_vs_hf']:.2f}x", file=sys.stderr)
+    elif r.get("hf_error"):
+        print(f"  HF: {r['hf_error']}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BenchError as e:
+        print(f"bench_train.py: {e}", file=sys.stderr)
+        sys.exit(2)
