@@ -24,6 +24,7 @@ never per layer.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
@@ -41,6 +42,11 @@ LAYOUTS = ("bshd", "sbhd", "thd")
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def autotuning() -> bool:
+    """FUSED_KERNELS_AUTOTUNE=0 pins one config: parity runs compile many shapes and need no tuning."""
+    return not interpreting() and os.environ.get("FUSED_KERNELS_AUTOTUNE", "1") != "0"
 
 
 # ----------------------------------------------------------------------------- reference
@@ -107,9 +113,10 @@ if triton is not None:
 
     def _configs():
         # several configs cannot be benchmarked without a GPU: one config under the interpreter
-        if interpreting():
-            return [triton.Config({"ELEMS": 2048}, num_warps=4)]
-        return [triton.Config({"ELEMS": e}, num_warps=w) for e in (4096, 8192, 16384) for w in (4, 8)]
+        if not autotuning():
+            return [triton.Config({"ELEMS": 2048 if interpreting() else 8192}, num_warps=4)]
+        # few configs: each one is compiled per shape (first call), and these are memory bound
+        return [triton.Config({"ELEMS": 8192}, num_warps=4), triton.Config({"ELEMS": 4096}, num_warps=4)]
 
     @triton.autotune(configs=_configs(), key=["H", "D", "HALF", "ZIGZAG", "N_BUCKET"])
     @triton.jit
@@ -270,12 +277,6 @@ def _inv_freq_f32(inv_freq: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _warn_once(reason: str) -> None:
-    import logging
-
-    logging.getLogger(__name__).warning("fused MRoPE requested but not used: %s; using the PyTorch path", reason)
-
-
 def warn_fallback(reason: str) -> None:
-    """One warning per distinct reason (called from the model's fallback)."""
-    _warn_once(reason)
+    """One warning per distinct reason when the model asked for the fused path but cannot use it."""
+    logging.getLogger(__name__).warning("fused MRoPE requested but not used: %s; using the PyTorch path", reason)

@@ -21,6 +21,8 @@ sample boundary; each token finds its sample from cu_seqlens on the device (no h
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 
 import torch
@@ -39,6 +41,11 @@ EPS = 1e-6  # l2norm eps of the reference (inside the rsqrt)
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def autotuning() -> bool:
+    """FUSED_KERNELS_AUTOTUNE=0 pins one config: parity runs compile many shapes and need no tuning."""
+    return not interpreting() and os.environ.get("FUSED_KERNELS_AUTOTUNE", "1") != "0"
 
 
 # ----------------------------------------------------------------------------- reference
@@ -88,10 +95,15 @@ def available(qkv: torch.Tensor, weight: torch.Tensor, num_k_heads: int, num_v_h
 
 if triton is not None:
 
-    def _configs(block_ts):
+    def _configs(alternative):
         if interpreting():  # several configs cannot be benchmarked without a GPU; big blocks = fewer
             return [triton.Config({"BLOCK_T": 32}, num_warps=4)]  # interpreted ops (the slow part)
-        return [triton.Config({"BLOCK_T": t}, num_warps=w) for t in block_ts for w in (4, 8)]
+        base = triton.Config({"BLOCK_T": 16}, num_warps=8)
+        if not autotuning():
+            return [base]
+        # two configs: every one is compiled per head layout on first use (the backward unrolls
+        # 4 shifts x 4 taps x the head repeat, so its compile is the slow part)
+        return [base, triton.Config({"BLOCK_T": alternative[0]}, num_warps=alternative[1])]
 
     @triton.jit
     def _sample_bounds(cu_ptr, n_cu, s, S, VARLEN: tl.constexpr, BLOCK_CU: tl.constexpr):
@@ -115,7 +127,7 @@ if triton is not None:
         log1p = tl.where(u == 1.0, e, tl.log(u) * e / (u - 1.0))
         return tl.where(x > 20.0, x, tl.maximum(x, 0.0) + log1p)
 
-    @triton.autotune(configs=_configs((8, 16, 32)), key=["C", "NK", "NV", "K", "V", "VARLEN"])
+    @triton.autotune(configs=_configs((32, 4)), key=["C", "NK", "NV", "K", "V", "VARLEN"])
     @triton.jit
     def _pre_gdr_fwd(
         x_ptr, w_ptr, b_ptr, a_ptr, alog_ptr, dt_ptr, cu_ptr,
@@ -168,97 +180,86 @@ if triton is not None:
 
 
     @triton.jit
-    def _conv_bwd_head(
-        x_ptr, w_ptr, cu_ptr, dy_ptr, dx_ptr, dw_part, bi, pid_t, n_pt, S, n_cu, sxb, sxs,
+    def _du_head(
+        x_ptr, w_ptr, cu_ptr, dy_ptr, du_ptr, dw_part, bi, pid_t, n_pt, S, n_cu, sxb, sxs,
         c0, hout, C: tl.constexpr, NV: tl.constexpr, WIDTH: tl.constexpr, REP: tl.constexpr,
         NORM: tl.constexpr, VARLEN: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_CU: tl.constexpr,
         BLOCK_T: tl.constexpr, ITERS: tl.constexpr,
     ):
-        """dx and partial dw for one channel group (a q, k or v head) over ITERS token blocks."""
+        """du (gradient at the conv output, before SiLU) and partial dw for one q, k or v head."""
         cc = tl.arange(0, BLOCK_C)
         cmask = cc < WIDTH
         c = c0 + cc
-        dw0 = tl.zeros([BLOCK_C], dtype=tl.float32)  # dw0..3: gradient of w[:, 3-i] from shift -i
-        dw1 = tl.zeros([BLOCK_C], dtype=tl.float32)
-        dw2 = tl.zeros([BLOCK_C], dtype=tl.float32)
-        dw3 = tl.zeros([BLOCK_C], dtype=tl.float32)
+        w0 = tl.load(w_ptr + c * 4 + 3, mask=cmask, other=0.0).to(tl.float32)  # tap on x[t]
+        w1 = tl.load(w_ptr + c * 4 + 2, mask=cmask, other=0.0).to(tl.float32)  # tap on x[t-1]
+        w2 = tl.load(w_ptr + c * 4 + 1, mask=cmask, other=0.0).to(tl.float32)
+        w3 = tl.load(w_ptr + c * 4 + 0, mask=cmask, other=0.0).to(tl.float32)
+        # dw accumulates elementwise over the token blocks; one reduction at the end
+        a0 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        a1 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        a2 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        a3 = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
         for it in range(ITERS):
             s = (pid_t * ITERS + it) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
             smask = s < S
             start, end = _sample_bounds(cu_ptr, n_cu, s, S, VARLEN, BLOCK_CU)
             xrow = x_ptr + bi * sxb + s[:, None] * sxs + c[None, :]
-            dx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-            for j in tl.static_range(4):  # dx[s] = sum_j w[3-j] du[s+j], du rebuilt at s+j
-                t = s + j
-                valid = smask & (t < end)
-                u = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-                for i in tl.static_range(4):
-                    w = tl.load(w_ptr + c * 4 + (3 - i), mask=cmask, other=0.0).to(tl.float32)
-                    m = (valid & (t - i >= start))[:, None] & cmask[None, :]
-                    u += w[None, :] * tl.load(xrow + (j - i) * sxs, mask=m, other=0.0).to(tl.float32)
-                sig = tl.sigmoid(u)
+            m = smask[:, None] & cmask[None, :]
+            x0 = tl.load(xrow, mask=m, other=0.0).to(tl.float32)
+            x1 = tl.load(xrow - sxs, mask=m & (s - 1 >= start)[:, None], other=0.0).to(tl.float32)
+            x2 = tl.load(xrow - 2 * sxs, mask=m & (s - 2 >= start)[:, None], other=0.0).to(tl.float32)
+            x3 = tl.load(xrow - 3 * sxs, mask=m & (s - 3 >= start)[:, None], other=0.0).to(tl.float32)
+            u = w0[None, :] * x0 + w1[None, :] * x1 + w2[None, :] * x2 + w3[None, :] * x3
+            sig = tl.sigmoid(u)
+            gy = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+            for r in tl.static_range(REP):  # the repeated heads' gradients add up
+                gy += tl.load(dy_ptr + ((bi * S + s[:, None]) * NV + hout + r) * WIDTH + cc[None, :],
+                              mask=m, other=0.0).to(tl.float32)
+            if NORM:  # n = y * rsqrt(|y|^2 + eps): dy = rstd * (gn - n * <n, gn>)
                 y = u * sig
-                vm = valid[:, None] & cmask[None, :]
-                gy = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-                for r in tl.static_range(REP):  # the repeated heads' gradients add up
-                    gy += tl.load(dy_ptr + ((bi * S + t[:, None]) * NV + hout + r) * WIDTH + cc[None, :],
-                                  mask=vm, other=0.0).to(tl.float32)
-                if NORM:  # n = y * rsqrt(|y|^2 + eps): dy = rstd * (gn - n * <n, gn>)
-                    rstd = tl.rsqrt(tl.sum(y * y, axis=1) + 1e-6)
-                    n = y * rstd[:, None]
-                    gy = rstd[:, None] * (gy - n * tl.sum(n * gy, axis=1)[:, None])
-                du = tl.where(vm, gy * sig * (1.0 + u * (1.0 - sig)), 0.0)
-                wj = tl.load(w_ptr + c * 4 + (3 - j), mask=cmask, other=0.0).to(tl.float32)
-                dx += wj[None, :] * du
-                if j == 0:  # each token's du meets the x it was made from: the weight gradient
-                    for i in tl.static_range(4):
-                        m = (smask & (s - i >= start))[:, None] & cmask[None, :]
-                        xs = tl.load(xrow - i * sxs, mask=m, other=0.0).to(tl.float32)
-                        part = tl.sum(du * xs, axis=0)
-                        if i == 0:
-                            dw0 += part
-                        elif i == 1:
-                            dw1 += part
-                        elif i == 2:
-                            dw2 += part
-                        else:
-                            dw3 += part
-            tl.store(dx_ptr + (bi * S + s[:, None]) * C + c[None, :], dx.to(dx_ptr.dtype.element_ty),
-                     mask=smask[:, None] & cmask[None, :])
+                rstd = tl.rsqrt(tl.sum(y * y, axis=1) + 1e-6)
+                n = y * rstd[:, None]
+                gy = rstd[:, None] * (gy - n * tl.sum(n * gy, axis=1)[:, None])
+            du = tl.where(m, gy * sig * (1.0 + u * (1.0 - sig)), 0.0)
+            tl.store(du_ptr + (bi * S + s[:, None]) * C + c[None, :], du.to(du_ptr.dtype.element_ty), mask=m)
+            a0 += du * x0
+            a1 += du * x1
+            a2 += du * x2
+            a3 += du * x3
         prow = dw_part + (bi * n_pt + pid_t) * C * 4 + c * 4
-        tl.store(prow + 3, dw0, mask=cmask)
-        tl.store(prow + 2, dw1, mask=cmask)
-        tl.store(prow + 1, dw2, mask=cmask)
-        tl.store(prow + 0, dw3, mask=cmask)
+        tl.store(prow + 3, tl.sum(a0, axis=0), mask=cmask)
+        tl.store(prow + 2, tl.sum(a1, axis=0), mask=cmask)
+        tl.store(prow + 1, tl.sum(a2, axis=0), mask=cmask)
+        tl.store(prow + 0, tl.sum(a3, axis=0), mask=cmask)
 
-    @triton.autotune(configs=_configs((8, 16)), key=["C", "NK", "NV", "K", "V", "VARLEN", "TPP"])
+    @triton.autotune(configs=_configs((8, 4)), key=["C", "NK", "NV", "K", "V", "VARLEN", "TPP"])
     @triton.jit
     def _pre_gdr_bwd(
         x_ptr, w_ptr, b_ptr, a_ptr, alog_ptr, dt_ptr, cu_ptr,
         dq_ptr, dk_ptr, dv_ptr, dg_ptr, dbeta_ptr,
-        dx_ptr, db_ptr, da_ptr, dw_part, dalog_part, ddt_part,
+        du_ptr, db_ptr, da_ptr, dw_part, dalog_part, ddt_part,
         S, n_cu, sxb, sxs, sbb, sbs, sab, sas,
         C: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
         VARLEN: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_CU: tl.constexpr, TPP: tl.constexpr,
         BLOCK_T: tl.constexpr,
     ):
-        # each program owns TPP tokens (fixed by the caller, so the partial-sum buffers do not
-        # depend on the tuned BLOCK_T) of one head, walked BLOCK_T at a time
+        # phase 1 of the backward: du per head (q/k: l2-norm and SiLU backward, v: SiLU backward),
+        # dw partials, and the gate gradients. Each program owns TPP tokens (fixed by the caller, so
+        # the partial-sum buffers do not depend on the tuned BLOCK_T) of one head.
         pid_t, head, bi = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
         n_pt = tl.num_programs(0)
         REP: tl.constexpr = NV // NK
         ITERS: tl.constexpr = TPP // BLOCK_T
         if head < NK:
-            _conv_bwd_head(x_ptr, w_ptr, cu_ptr, dq_ptr, dx_ptr, dw_part, bi, pid_t, n_pt, S, n_cu, sxb, sxs,
-                           head * K, head * REP, C, NV, K, REP, True, VARLEN, BLOCK_C, BLOCK_CU, BLOCK_T, ITERS)
+            _du_head(x_ptr, w_ptr, cu_ptr, dq_ptr, du_ptr, dw_part, bi, pid_t, n_pt, S, n_cu, sxb, sxs,
+                     head * K, head * REP, C, NV, K, REP, True, VARLEN, BLOCK_C, BLOCK_CU, BLOCK_T, ITERS)
         elif head < 2 * NK:
-            _conv_bwd_head(x_ptr, w_ptr, cu_ptr, dk_ptr, dx_ptr, dw_part, bi, pid_t, n_pt, S, n_cu, sxb, sxs,
-                           head * K, (head - NK) * REP, C, NV, K, REP, True, VARLEN, BLOCK_C, BLOCK_CU, BLOCK_T,
-                           ITERS)
+            _du_head(x_ptr, w_ptr, cu_ptr, dk_ptr, du_ptr, dw_part, bi, pid_t, n_pt, S, n_cu, sxb, sxs,
+                     head * K, (head - NK) * REP, C, NV, K, REP, True, VARLEN, BLOCK_C, BLOCK_CU, BLOCK_T, ITERS)
         else:
             hv = head - 2 * NK
-            _conv_bwd_head(x_ptr, w_ptr, cu_ptr, dv_ptr, dx_ptr, dw_part, bi, pid_t, n_pt, S, n_cu, sxb, sxs,
-                           2 * NK * K + hv * V, hv, C, NV, V, 1, False, VARLEN, BLOCK_C, BLOCK_CU, BLOCK_T, ITERS)
+            _du_head(x_ptr, w_ptr, cu_ptr, dv_ptr, du_ptr, dw_part, bi, pid_t, n_pt, S, n_cu, sxb, sxs,
+                     2 * NK * K + hv * V, hv, C, NV, V, 1, False, VARLEN, BLOCK_C, BLOCK_CU, BLOCK_T, ITERS)
             # gates of value head hv: beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)
             e_a = tl.exp(tl.load(alog_ptr + hv).to(tl.float32))
             dt = tl.load(dt_ptr + hv).to(tl.float32)
@@ -279,6 +280,25 @@ if triton is not None:
                 acc_dt += da
             tl.store(dalog_part + (bi * n_pt + pid_t) * NV + hv, tl.sum(acc_alog, axis=0))
             tl.store(ddt_part + (bi * n_pt + pid_t) * NV + hv, tl.sum(acc_dt, axis=0))
+
+
+    @triton.jit
+    def _conv_fold(du_ptr, w_ptr, cu_ptr, dx_ptr, S, n_cu, C: tl.constexpr, VARLEN: tl.constexpr,
+                   BLOCK_CU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+        """Phase 2: dx[t] = sum_j w[3-j] du[t+j], taps inside t's sample only (the conv's transpose)."""
+        bi = tl.program_id(2).to(tl.int64)
+        s = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        smask, cmask = s < S, c < C
+        _, end = _sample_bounds(cu_ptr, n_cu, s, S, VARLEN, BLOCK_CU)
+        row = du_ptr + (bi * S + s[:, None]) * C + c[None, :]
+        dx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        for j in tl.static_range(4):
+            w = tl.load(w_ptr + c * 4 + (3 - j), mask=cmask, other=0.0).to(tl.float32)
+            m = (smask & (s + j < end))[:, None] & cmask[None, :]
+            dx += w[None, :] * tl.load(row + j * C, mask=m, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + (bi * S + s[:, None]) * C + c[None, :], dx.to(dx_ptr.dtype.element_ty),
+                 mask=smask[:, None] & cmask[None, :])
 
 
 def _row_view(t: torch.Tensor) -> torch.Tensor:
@@ -339,11 +359,19 @@ class _FusedPreGDR(torch.autograd.Function):
         dw_part = torch.empty(B * n_pt, C, 4, device=qkv.device, dtype=torch.float32)
         alog_part = torch.empty(B * n_pt, nv, device=qkv.device, dtype=torch.float32)
         dt_part = torch.empty(B * n_pt, nv, device=qkv.device, dtype=torch.float32)
+        # phase 1: du (in the input dtype: the fold below is a 4-term sum) and all parameter partials
+        du = torch.empty(B, S, C, device=qkv.device, dtype=qkv.dtype)
         _pre_gdr_bwd[(n_pt, 2 * nk + nv, B)](
-            qkv, weight, b, a, A_log, dt_bias, cu, dq, dk, dv, dg, dbeta, dx, db, da, dw_part, alog_part, dt_part,
+            qkv, weight, b, a, A_log, dt_bias, cu, dq, dk, dv, dg, dbeta, du, db, da, dw_part, alog_part, dt_part,
             S, n_cu, qkv.stride(0), qkv.stride(1), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
             C=C, NK=nk, NV=nv, K=K, V=V, VARLEN=cu_seqlens is not None,
             BLOCK_C=triton.next_power_of_2(max(K, V)), BLOCK_CU=triton.next_power_of_2(n_cu), TPP=tpp,
+        )
+        # phase 2: fold the taps back onto the conv input
+        bt = 32
+        _conv_fold[(triton.cdiv(S, bt), triton.cdiv(C, 128), B)](
+            du, weight, cu, dx, S, n_cu, C=C, VARLEN=cu_seqlens is not None,
+            BLOCK_CU=triton.next_power_of_2(n_cu), BLOCK_T=bt, BLOCK_C=128, num_warps=4,
         )
         dw = dw_part.sum(0).to(weight.dtype)
         dalog = alog_part.sum(0).to(A_log.dtype)
@@ -363,3 +391,9 @@ def fused_pre_gdr(qkv, b, a, weight, A_log, dt_bias, cu_seqlens, num_k_heads: in
                   head_v_dim: int):
     """Same inputs and outputs as ``pre_gdr_reference``, through the fused Triton kernels."""
     return _FusedPreGDR.apply(qkv, b, a, weight, A_log, dt_bias, cu_seqlens, num_k_heads, head_k_dim, head_v_dim)
+
+
+@functools.cache
+def warn_fallback(reason: str) -> None:
+    """One warning per distinct reason when the model asked for the fused path but cannot use it."""
+    logging.getLogger(__name__).warning("fused pre-GDR requested but not used: %s; using the PyTorch path", reason)

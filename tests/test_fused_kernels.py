@@ -31,16 +31,28 @@ import check_fused_kernels_gpu as harness  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def interpreted():
+def interp_runs():
+    """Both interpreter subprocesses, started together (they take most of this file's time)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "check_fused_kernels_gpu.py"), "--small", "--device", "cpu",
-         "--json", "-"],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
-    assert lines, f"harness printed no results (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
-    return json.loads(lines[-1])
+    cmds = {
+        "parity": [sys.executable, str(ROOT / "scripts" / "check_fused_kernels_gpu.py"), "--small", "--device", "cpu",
+                   "--json", "-"],
+        "model": [sys.executable, str(ROOT / "tests" / "test_fused_kernels.py"), "model-check"],
+    }
+    procs = {k: subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+             for k, c in cmds.items()}
+    out = {}
+    for k, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=600)
+        lines = [ln for ln in stdout.splitlines() if ln.startswith(("[", "{"))]
+        assert lines, f"{k}: no results (rc {proc.returncode}):\n{stderr[-3000:]}"
+        out[k] = json.loads(lines[-1])
+    return out
+
+
+@pytest.fixture(scope="module")
+def interpreted(interp_runs):
+    return interp_runs["parity"]
 
 
 @pytest.mark.parametrize("kernel,expected", [("mrope", 18), ("pre_gdr", 4)])
@@ -184,3 +196,100 @@ def test_pre_gdr_reference_matches_token_loop(lens, B):
     for x, y in zip(got, want):
         torch.testing.assert_close(x.double(), y, atol=1e-5, rtol=1e-5)
     assert got[3].dtype == torch.float32 and got[0].is_contiguous()
+
+
+# ----------------------------------------------------------------------------- model wiring
+
+
+def _proxy_loss_and_grads(overrides):
+    """Loss and parameter gradients of the proxy on one packed row (fixed seed and data)."""
+    from data.collate import pack_thd
+    from data.mock import MockDataset
+    from models import get_model_builder
+    from multimodal.config import load_config
+    from multimodal.forward_step import packed_seq_params
+    from multimodal.platform import seed_everything
+
+    # one GDN and one attention layer, one small image: the interpreter runs every kernel op in numpy
+    cfg = load_config(str(ROOT / "configs/qwen35_vl_proxy.yaml"),
+                      ["model.num_layers=2", "model.full_attention_interval=2", "data.max_text_tokens=24",
+                       "data.max_images=1", "data.max_image_side=32", *overrides])
+    seed_everything(0)
+    model = get_model_builder(cfg.model.name)(cfg.model, cfg.parallel, torch.float32)
+    m = cfg.model
+    ds = MockDataset(m, cfg.data, 48)
+    batch = pack_thd([ds[0], ds[1]], 96, pad_id=m.pad_token_id, image_token_id=m.image_token_id,
+                     merge=m.vision.spatial_merge_size)
+    loss = model(batch["tokens"], batch["position_ids"], labels=batch["labels"], pixel_values=batch["pixel_values"],
+                 image_grid_thw=batch["image_grid_thw"], packed_seq_params=packed_seq_params(batch))
+    total = (loss * batch["loss_mask"]).sum()
+    total.backward()
+    return total.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _model_check() -> dict:
+    """Run in a subprocess with TRITON_INTERPRET=1: the proxy with both fused kernels vs without."""
+    from megatron.core import parallel_state as ps
+
+    from multimodal.platform import init_distributed
+
+    init_distributed()
+    ps.initialize_model_parallel(1, 1)
+    calls = {"mrope": 0, "pre_gdr": 0}
+    real_mrope, real_pre = fm.fused_mrope, fp.fused_pre_gdr
+
+    def count(name, fn):
+        def wrapped(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapped
+
+    fm.fused_mrope, fp.fused_pre_gdr = count("mrope", real_mrope), count("pre_gdr", real_pre)
+    loss_f, grads_f = _proxy_loss_and_grads(["model.fused_mrope=true", "model.gdn_pre_impl=fused"])
+    loss_u, grads_u = _proxy_loss_and_grads(["model.fused_mrope=false", "model.gdn_pre_impl=unfused"])
+    errs = {n: ((grads_f[n] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item() for n, g in grads_u.items()}
+    return dict(calls=calls, loss_fused=loss_f.item(), loss_unfused=loss_u.item(), grad_rel=errs,
+                same_params=sorted(grads_f) == sorted(grads_u))
+
+
+def test_model_runs_both_fused_kernels_and_matches_the_pytorch_path(interp_runs):
+    r = interp_runs["model"]
+    assert r["calls"] == {"mrope": 2, "pre_gdr": 1}  # q and k of the attention layer; the GDN layer
+    assert r["same_params"]
+    assert abs(r["loss_fused"] - r["loss_unfused"]) <= 1e-5 * abs(r["loss_unfused"])
+    # A_log / dt_bias sum dg over tokens through the delta rule: ulp-level changes in g add up there
+    loose = {n: e for n, e in r["grad_rel"].items() if n.endswith(("A_log", "dt_bias"))}
+    tight = {n: e for n, e in r["grad_rel"].items() if n not in loose}
+    assert max(tight.values()) < 1e-4, tight
+    assert max(loose.values()) < 5e-3, loose
+
+
+def test_fused_requested_on_cpu_falls_back_with_one_warning(mcore, monkeypatch, caplog):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    fm.warn_fallback.cache_clear()
+    fp.warn_fallback.cache_clear()
+    with caplog.at_level("WARNING"):
+        loss_f, grads_f = _proxy_loss_and_grads(["model.fused_mrope=true", "model.gdn_pre_impl=fused"])
+        _proxy_loss_and_grads(["model.fused_mrope=true", "model.gdn_pre_impl=fused"])
+    loss_u, grads_u = _proxy_loss_and_grads(["model.fused_mrope=false", "model.gdn_pre_impl=unfused"])
+    msgs = [r.getMessage() for r in caplog.records if "requested but not used" in r.getMessage()]
+    assert len(msgs) == 2 and all("not on a CUDA device" in m for m in msgs), msgs  # one per kernel
+    assert torch.equal(loss_f, loss_u)  # the same PyTorch ops, so the same bits
+    assert all(torch.equal(grads_f[n], g) for n, g in grads_u.items())
+
+
+def test_auto_resolves_to_pytorch_on_cpu(mcore):
+    from models.qwen35_vl.gdn import Qwen35GatedDeltaNet
+
+    from models import get_model_builder
+    from multimodal.config import load_config
+
+    cfg = load_config(str(ROOT / "configs/qwen35_vl_proxy.yaml"), ["model.num_layers=2", "model.full_attention_interval=2"])
+    assert cfg.model.fused_mrope is None and cfg.model.gdn_pre_impl == "auto"
+    model = get_model_builder(cfg.model.name)(cfg.model, cfg.parallel, torch.float32)
+    assert model.language_model.fused_mrope is torch.cuda.is_available()
+    assert Qwen35GatedDeltaNet.gdn_pre_impl == ("fused" if torch.cuda.is_available() else "unfused")
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["model-check"]:
+    print(json.dumps(_model_check()))
