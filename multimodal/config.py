@@ -81,6 +81,11 @@ class ModelConfig:
     # kernels
     attention_backend: str = "auto"  # auto | sdpa | varlen
     gdn_backend: str = "auto"  # auto | fla | torch
+    # Fused Triton kernels beside PyTorch references (kernels/fused_mrope.py, fused_pre_gdr.py).
+    # null / auto: on when CUDA is available, the PyTorch path on CPU. Asked for but unable to
+    # run (CPU without TRITON_INTERPRET, unsupported dtype): one warning, then the PyTorch path.
+    fused_mrope: bool | None = None
+    gdn_pre_impl: str = "auto"  # auto | fused | unfused
     # LM loss through kernels/fused_linear_ce.py: chunked logits, never [tokens, vocab] at once
     # (saves ~12 bytes x tokens x vocab/TP; costs one extra LM-head GEMM in backward). On by
     # default on CPU and GPU alike so CPU tests exercise the path the GPU runs; false restores
@@ -366,6 +371,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
                  f"model.num_layers ({m.num_layers}) must be divisible by parallel.pp ({p.pp}) (every "
                  "pipeline stage gets num_layers/pp decoder layers); choose a pp that divides it")
 
+    _require(m.gdn_pre_impl in ("auto", "fused", "unfused"),
+             f"model.gdn_pre_impl must be auto|fused|unfused, got {m.gdn_pre_impl!r}")
     validate_layout(m, p)
     v = m.vision
     _require(v.hidden_size % v.num_heads == 0, "model.vision.hidden_size must be divisible by model.vision.num_heads")

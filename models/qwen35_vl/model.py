@@ -18,12 +18,19 @@ from models.qwen35_vl.vision import VisionEncoder
 class Qwen35LanguageModel(GPTModel):
     """GPTModel whose rotary embedding is Qwen3.5's interleaved MRoPE from 3-D position ids."""
 
+    # set by build() from model.fused_mrope: attention then gets the position ids, not angles
+    fused_mrope: bool = False
+
     def __init__(self, *args, rot_dim: int, rope_theta: float, mrope_section: list[int], interleaved: bool, **kw):
         super().__init__(*args, position_embedding_type="none", **kw)
         self.register_buffer("mrope_inv_freq", inverse_frequencies(rot_dim, rope_theta), persistent=False)
         self.register_buffer(
             "mrope_axis", axis_of_frequency(rot_dim // 2, mrope_section, interleaved), persistent=False
         )
+        for mod in self.modules():  # what the fused path needs to rotate q/k from position ids
+            if isinstance(mod, attn_mod.MRopeSelfAttention):
+                mod.mrope_section, mod.mrope_interleaved = tuple(mrope_section), interleaved
+                mod.register_buffer("mrope_inv_freq", self.mrope_inv_freq.clone(), persistent=False)
 
     # Loss through kernels.fused_linear_ce (no [tokens, vocab] logits); set by build() from
     # model.fused_linear_ce. False keeps megatron's output layer + vocab_parallel_cross_entropy.
@@ -49,6 +56,9 @@ class Qwen35LanguageModel(GPTModel):
 
     def _preprocess(self, input_ids, position_ids, *args, **kwargs):
         out = list(super()._preprocess(input_ids, position_ids, *args, **kwargs))
+        if self.fused_mrope:  # MRopeSelfAttention rotates q/k from them in one kernel per tensor
+            out[1] = position_ids
+            return tuple(out)
         # position_ids [3, B, S] -> angles [S, B, 1, rot_dim], consumed by MRopeSelfAttention
         angles = mrope_angles(position_ids, self.mrope_inv_freq, self.mrope_axis)  # [B, S, rot]
         out[1] = angles.transpose(0, 1).unsqueeze(2)
@@ -125,6 +135,9 @@ def build(cfg, parallel, params_dtype: torch.dtype, pre_process: bool = True, po
     tcfg = transformer_config(m, parallel, params_dtype, deterministic)
     attn_mod.CoreAttention.backend = m.attention_backend
     gdn_mod.Qwen35GatedDeltaNet.gdn_backend_request = m.gdn_backend
+    gpu = torch.cuda.is_available()  # auto: the fused Triton kernels on GPU, PyTorch on CPU
+    gdn_mod.Qwen35GatedDeltaNet.gdn_pre_impl = ("fused" if gpu else "unfused") if m.gdn_pre_impl == "auto" \
+        else m.gdn_pre_impl
     rot_dim = int(m.head_dim * m.partial_rotary_factor)
     language = Qwen35LanguageModel(
         config=tcfg,
@@ -140,6 +153,7 @@ def build(cfg, parallel, params_dtype: torch.dtype, pre_process: bool = True, po
         mrope_section=list(m.mrope_section),
         interleaved=m.mrope_interleaved,
     )
+    language.fused_mrope = gpu if m.fused_mrope is None else m.fused_mrope
     language.fused_linear_ce = m.fused_linear_ce
     vision = None
     if pre_process:
