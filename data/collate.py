@@ -61,6 +61,16 @@ def padded_length(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def _padding_mask(seq_length: int, segments: list[int], real: list[int]) -> torch.Tensor:
+    """True on padding tokens (MoE routing and its aux losses skip them); the tail segment is all padding."""
+    mask = torch.ones(seq_length, dtype=torch.bool)
+    start = 0
+    for n_segment, n_real in zip(segments, real):
+        mask[start:start + n_real] = False
+        start += n_segment
+    return mask
+
+
 def pack_thd(samples: list[dict], seq_length: int, pad_id: int, image_token_id: int, merge: int,
              pad_multiple: int = 1) -> dict:
     """Concatenate samples into one row of exactly ``seq_length`` tokens (B=1).
@@ -99,7 +109,7 @@ def pack_thd(samples: list[dict], seq_length: int, pad_id: int, image_token_id: 
     positions.append(torch.arange(n_pad, dtype=torch.long).expand(3, n_pad))
     labels_t, mask_t = _valid_labels(torch.cat(labels), torch.cat(loss_mask), pad_id)
     segments = padded + ([n_pad] if n_pad else [])
-    real = lengths + ([n_pad] if n_pad else [])
+    real = lengths + ([n_pad] if n_pad else [])  # the tail is its own segment in cu_seqlens
     cu_padded = torch.zeros(len(segments) + 1, dtype=torch.int32)
     cu_padded[1:] = torch.cumsum(torch.tensor(segments), 0)
     cu_real = torch.zeros(len(segments) + 1, dtype=torch.int32)
@@ -107,6 +117,7 @@ def pack_thd(samples: list[dict], seq_length: int, pad_id: int, image_token_id: 
     pixel_values, grids = _images(samples)
     return {
         "tokens": torch.cat(tokens)[None],
+        "padding_mask": _padding_mask(seq_length, padded, lengths)[None],
         "labels": labels_t[None],
         "loss_mask": mask_t[None],
         "position_ids": torch.cat(positions, dim=1)[:, None],
@@ -141,8 +152,10 @@ def pad_bshd(samples: list[dict], seq_length: int, pad_id: int, image_token_id: 
         position_ids[:, i, n:] = torch.arange(seq_length - n)
     labels, loss_mask = _valid_labels(labels, loss_mask, pad_id)
     pixel_values, grids = _images(samples)
+    padding_mask = torch.arange(seq_length)[None, :] >= torch.tensor(lengths)[:, None]
     return {
         "tokens": tokens,
+        "padding_mask": padding_mask,
         "labels": labels,
         "loss_mask": loss_mask,
         "position_ids": position_ids,

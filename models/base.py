@@ -52,7 +52,8 @@ class MultimodalModel(MegatronModule):
         return emb.contiguous()
 
     def forward(self, tokens, position_ids, labels=None, pixel_values=None, image_grid_thw=None,
-                packed_seq_params=None, image_feature_index=None):
+                packed_seq_params=None, image_feature_index=None, padding_mask=None):
+        """padding_mask [B, S] (True on padding) keeps padding out of MoE routing and its aux losses."""
         decoder_input = (self.embed(tokens, pixel_values, image_grid_thw, image_feature_index)
                          if self.pre_process else None)
         return self.language_model(
@@ -62,5 +63,14 @@ class MultimodalModel(MegatronModule):
             decoder_input=decoder_input,
             labels=labels,
             packed_seq_params=packed_seq_params,
+            padding_mask=self._sequence_parallel_mask(padding_mask),
         )
+
+    def _sequence_parallel_mask(self, padding_mask):
+        # megatron scatters the mask itself only when it embeds the tokens; we pass decoder_input
+        # (and middle pipeline stages embed nothing), so the mask follows the hidden states here
+        if padding_mask is None or not self.config.sequence_parallel:
+            return padding_mask
+        return tensor_parallel.scatter_to_sequence_parallel_region(
+            padding_mask.transpose(0, 1).contiguous()).transpose(0, 1).contiguous()
 

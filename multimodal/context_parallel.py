@@ -91,8 +91,9 @@ def partition_batch(batch: dict, cp: int, rank: int, image_token_id: int) -> dic
     local = zigzag_indices(segments, cp, rank)
     order = torch.cat([zigzag_indices(segments, cp, r) for r in range(cp)])
     out = dict(batch)
-    for key in ("tokens", "labels", "loss_mask"):
-        out[key] = batch[key][:, local]
+    for key in ("tokens", "labels", "loss_mask", "padding_mask"):
+        if batch.get(key) is not None:
+            out[key] = batch[key][:, local]
     out["position_ids"] = batch["position_ids"][:, :, local]
     is_image = batch["tokens"] == image_token_id  # [B, S]
     ordinal = is_image.reshape(-1).cumsum(0).reshape(is_image.shape) - 1

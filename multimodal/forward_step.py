@@ -21,7 +21,7 @@ def to_device(batch: dict, device: torch.device, pixel_dtype: torch.dtype) -> di
     for key in ("tokens", "labels", "loss_mask", "position_ids"):
         out[key] = batch[key].to(device, non_blocking=True)
     out["pixel_values"] = batch["pixel_values"].to(device, pixel_dtype, non_blocking=True)
-    for key in ("cu_seqlens", "cu_seqlens_padded", "cp_gather_order", "cp_restore_order", "image_feature_index"):
+    for key in ("padding_mask", "cu_seqlens", "cu_seqlens_padded", "cp_gather_order", "cp_restore_order", "image_feature_index"):
         if batch.get(key) is not None:
             out[key] = batch[key].to(device, non_blocking=True)
     return out
@@ -74,5 +74,6 @@ class ForwardStep:
             image_grid_thw=b["image_grid_thw"],
             packed_seq_params=packed_seq_params(b, self.cp_group),
             image_feature_index=b.get("image_feature_index"),
+            padding_mask=b.get("padding_mask"),
         )
         return output, partial(masked_token_loss, loss_mask=b["loss_mask"])
