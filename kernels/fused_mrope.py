@@ -12,6 +12,9 @@ Layouts (``layout``): "bshd" [B, S, H, D], "sbhd" [S, B, H, D] (megatron hands a
 like this; any strides with a unit channel stride are read in place, no copies), "thd"
 [T, H, D]. Position ids are [3, B, S] (or [3, T] for thd).
 
+The vision encoder's 2-D rotary is the blocked (non-interleaved) form with section (0, n, n):
+frequencies [0, n) read the patch row, [n, 2n) its column, rotary over the whole head.
+
 Context parallelism: the data pipeline splits position ids with the tokens, so the plain
 mode already works per rank. ``cu_seqlens`` + ``cp_size``/``cp_rank`` select the zigzag mode
 instead: position ids hold the full packed sequence, ``cu_seqlens`` (device) its padded

@@ -8,12 +8,14 @@ pass over memory, and autograd keeps most intermediates. Here:
   group of the conv. It reads its channels at t-3..t (the halo comes from cache), applies
   conv + SiLU in fp32, l2-normalises q/k heads, writes them to every value head they
   serve, and (v programs) writes g and beta for that head.
-- backward: recomputes instead of saving. For each token it rebuilds the conv output at
-  t..t+3 from x at t-3..t+3 (still one DRAM read of x), gets du there (SiLU and l2-norm
-  backward, summing the repeated q/k heads' gradients), and folds the taps:
-  dx[t] = sum_j w[3-j] du[t+j]. Weight, A_log and dt_bias gradients are per-program fp32
-  partial sums reduced by torch (deterministic). Saved tensors: the inputs only (views of
-  the in_proj output, which is alive anyway).
+- backward, two kernels: (1) per (token block, head) it recomputes the conv output and SiLU
+  from x (and the l2 norm for q/k), sums the repeated heads' gradients, and writes du, the
+  gradient at the conv output, in the input dtype; the same program accumulates the weight,
+  A_log and dt_bias gradients as fp32 partial sums (reduced by torch: deterministic) and writes
+  db, da. (2) a 4-tap fold, dx[t] = sum_j w[3-j] du[t+j]. Saved tensors: the inputs only
+  (views of the in_proj output, which is alive anyway). A one-pass backward that rebuilt du
+  at t..t+3 in registers measured 3.6x slower on the H200: its per-token-block reductions,
+  not memory, bound it (docs/benchmarks/kernels.md).
 
 Packed rows (B == 1 with ``cu_seqlens``): the conv reads and the tap folding never cross a
 sample boundary; each token finds its sample from cu_seqlens on the device (no host sync).
