@@ -29,7 +29,7 @@ from data.loader import MicroBatchIterator, build_dataset
 from data.prefetch import Prefetcher
 from models import get_model_builder
 from multimodal import checkpointing
-from multimodal.config import Config, ConfigError, resolve_sources, validate
+from multimodal.config import Config, resolve_sources, validate
 from multimodal.flops import device_peak_tflops, training_flops
 from multimodal.forward_step import ForwardStep
 from multimodal.loss import masked_token_loss
