@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--init", required=True)
     ap.add_argument("--bshd", action="store_true")
     ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args()
+    args = ap.parse_intermixed_args()
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 

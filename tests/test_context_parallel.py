@@ -102,8 +102,10 @@ def test_layouts_that_cannot_split_are_refused():
         validate(cfg, world_size=8)
 
 
-def _torchrun(nproc: int, *args: str) -> None:
+def _torchrun(nproc: int, *args: str, interpret: bool = False) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    if interpret:  # the fused Triton kernels run on CPU through Triton's interpreter
+        env["TRITON_INTERPRET"] = "1"
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
@@ -123,15 +125,18 @@ def _compare(single: dict, parallel: dict) -> None:
 # GDN heads that split 4 ways (grouped value heads kept: 2 per key head); attention keeps 4 query
 # heads and 2 KV groups, so CP=4 also exercises the KV-head repeat.
 CP4 = ("model.linear_num_key_heads=4", "model.linear_num_value_heads=8")
+FUSED = ("model.gdn_pre_impl=fused", "model.fused_mrope=true")  # fused pre-GDR on head groups, MRoPE
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cp,layout,overrides", [(2, "thd", ()), (2, "bshd", ()), (4, "thd", CP4)])
+@pytest.mark.parametrize("cp,layout,overrides", [(2, "thd", ()), (2, "bshd", ()), (4, "thd", CP4),
+                                                 (2, "thd", FUSED)], ids=["cp2-thd", "cp2-bshd", "cp4-thd", "cp2-fused"])
 def test_context_parallel_matches_one_process(tmp_path, cp, layout, overrides):
     init = tmp_path / "init.pt"
     flags = ["--bshd"] if layout == "bshd" else []
-    _torchrun(1, str(tmp_path / "single.pt"), "--init", str(init), *flags, *overrides)
-    _torchrun(cp, str(tmp_path / "parallel.pt"), "--init", str(init), *flags, *overrides)
+    interpret = overrides == FUSED
+    _torchrun(1, str(tmp_path / "single.pt"), "--init", str(init), *flags, *overrides, interpret=interpret)
+    _torchrun(cp, str(tmp_path / "parallel.pt"), "--init", str(init), *flags, *overrides, interpret=interpret)
     _compare(torch.load(tmp_path / "single.pt"), torch.load(tmp_path / "parallel.pt"))
 
 

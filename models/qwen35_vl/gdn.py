@@ -75,6 +75,12 @@ class Qwen35GatedDeltaNet(GatedDeltaNet):
         batch, seq = qkv.shape[:2]
         nv = b.shape[-1]
         nk = (qkv.shape[-1] - nv * self.value_head_dim) // (2 * self.key_head_dim)
+        if self.gdn_pre_impl == "fused":
+            reason = fused_pre_gdr.available(qkv, conv_weight, nk, nv)
+            if reason is None:
+                return fused_pre_gdr.fused_pre_gdr(qkv, b, a, conv_weight, A_log, dt_bias, cu_seqlens, nk,
+                                                   self.key_head_dim, self.value_head_dim)
+            fused_pre_gdr.warn_fallback(reason)
         qkv = gdr.causal_conv1d_silu(qkv, conv_weight, cu_seqlens, self.kernel_backend)
         q, k, v = torch.split(qkv, [nk * self.key_head_dim, nk * self.key_head_dim, nv * self.value_head_dim], dim=-1)
         q = gdr.l2norm(q.reshape(batch, seq, nk, self.key_head_dim))
