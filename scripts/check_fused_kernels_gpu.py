@@ -141,6 +141,7 @@ def small_cases(device):
     out += mrope_case(device, "fp32", "sbhd", 3, 5, 2, 32, 8, [2, 1, 1])  # the proxy's head
     out += mrope_case(device, "fp32", "bshd", 1, 9, 2, 64, 64, [16, 8, 8], interleaved=False)  # no pass-through
     out += mrope_case(device, "bf16", "thd", 1, 12, 2, 256, 64, [11, 11, 10], lens=[5, 1, 6])
+    out += mrope_case(device, "bf16", "thd", 1, 9, 2, 72, 72, [0, 18, 18], interleaved=False)  # a vision head
     out += mrope_case(device, "fp32", "thd", 1, 0, 2, 256, 64, [11, 11, 10], lens=[8, 4, 12], cp=2)
     out += mrope_case(device, "bf16", "thd", 1, 0, 3, 256, 64, [11, 11, 10], lens=[16, 8], cp=4)
     out += pre_gdr_case(device, "fp32", 2, 11, 2, 4, 16, 8)
@@ -166,6 +167,7 @@ def full_cases(device):
                               cp=cp)
     out += mrope_case(device, "bf16", "sbhd", 1, 333, 4, 32, 8, [2, 1, 1])  # the proxy's head
     out += mrope_case(device, "fp32", "bshd", 1, 333, 4, 128, 128, [24, 20, 20], interleaved=False)
+    out += mrope_case(device, "bf16", "thd", 1, 4099, 16, 72, 72, [0, 18, 18], interleaved=False)  # vision 9B+
     for nk, nv in ((16, 16), (16, 32), (16, 64)):
         out += pre_gdr_case(device, "bf16", 1, 4099, nk, nv, 128, 128, lens=[1000, 1, 3, 3095])
     out += pre_gdr_case(device, "bf16", 2, 1023, 16, 32, 128, 128)

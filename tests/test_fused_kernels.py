@@ -55,7 +55,7 @@ def interpreted(interp_runs):
     return interp_runs["parity"]
 
 
-@pytest.mark.parametrize("kernel,expected", [("mrope", 18), ("pre_gdr", 4)])
+@pytest.mark.parametrize("kernel,expected", [("mrope", 19), ("pre_gdr", 4)])
 def test_triton_kernels_match_reference_under_interpreter(interpreted, kernel, expected):
     cases = [r for r in interpreted if r["kernel"] == kernel]
     assert len(cases) == expected  # every case ran (none skipped)
@@ -254,7 +254,8 @@ def _model_check() -> dict:
 
 def test_model_runs_both_fused_kernels_and_matches_the_pytorch_path(interp_runs):
     r = interp_runs["model"]
-    assert r["calls"] == {"mrope": 2, "pre_gdr": 1}  # q and k of the attention layer; the GDN layer
+    # q and k of the attention layer and of the 2 vision blocks; the GDN layer
+    assert r["calls"] == {"mrope": 6, "pre_gdr": 1}
     assert r["same_params"]
     assert abs(r["loss_fused"] - r["loss_unfused"]) <= 1e-5 * abs(r["loss_unfused"])
     # A_log / dt_bias sum dg over tokens through the delta rule: ulp-level changes in g add up there

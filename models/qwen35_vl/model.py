@@ -158,6 +158,7 @@ def build(cfg, parallel, params_dtype: torch.dtype, pre_process: bool = True, po
     vision = None
     if pre_process:
         vision = VisionEncoder(m.vision, out_hidden=m.hidden_size, attn_backend=m.attention_backend)
+        vision.fused_rotary = language.fused_mrope
         vision.to(device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu", dtype=params_dtype)
     if parallel.tp > 1:
         # The GDN output norm's weight (one per value-head channel, shared by all heads) is

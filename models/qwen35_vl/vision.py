@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import fused_mrope
 from models.common.attention import attention
 from models.qwen35_vl.mrope import apply_rotary
 
@@ -86,9 +87,12 @@ class VisionBlock(nn.Module):
     def forward(self, x: torch.Tensor, angles: torch.Tensor, geo: VisionGeometry) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(self.norm1(x)).view(n, 3, self.heads, self.head_dim).unbind(1)
-        # the reference rotates in fp32 and casts back
-        q = apply_rotary(q.float(), angles).to(v.dtype)
-        k = apply_rotary(k.float(), angles).to(v.dtype)
+        if isinstance(angles, tuple):  # fused: (position ids [3, N], inv_freq, section), see the encoder
+            pos, inv, section = angles
+            q, k = (fused_mrope.fused_mrope(t, pos, inv, section, False, "thd") for t in (q, k))
+        else:  # the reference rotates in fp32 and casts back
+            q = apply_rotary(q.float(), angles).to(v.dtype)
+            k = apply_rotary(k.float(), angles).to(v.dtype)
         a = attention(
             q, k, v, causal=False, cu_seqlens=geo.cu_seqlens, max_seqlen=geo.max_seqlen,
             backend=self.attn_backend,
@@ -98,6 +102,8 @@ class VisionBlock(nn.Module):
 
 
 class VisionEncoder(nn.Module):
+    fused_rotary: bool = False  # set by build() from model.fused_mrope
+
     def __init__(self, cfg, out_hidden: int, attn_backend: str = "auto"):
         super().__init__()
         self.cfg = cfg
@@ -133,6 +139,16 @@ class VisionEncoder(nn.Module):
         freqs = geo.rot_pos.float()[..., None] * self.inv_freq  # [N, 2, quarter/2]
         half = freqs.flatten(1)  # (h freqs, w freqs)
         angles = torch.cat([half, half], -1)[:, None, :]  # [N, 1, head_dim]
+        if self.fused_rotary:
+            reason = fused_mrope.available(x, "thd")
+            if reason is None:
+                # the same 2-D rotary as blocked MRoPE: frequencies [0, n) read the row, [n, 2n) the
+                # column (axis 0 is unused), with inv_freq repeated for the two halves
+                n = self.inv_freq.numel()
+                pos = geo.rot_pos.T[[0, 0, 1]]  # [3, N]: (unused, row, col)
+                angles = (pos, torch.cat([self.inv_freq, self.inv_freq]), (0, n, n))
+            else:
+                fused_mrope.warn_fallback(reason)
         for blk in self.blocks:
             x = blk(x, angles, geo)
         x = self.merger_norm(x).view(-1, self.merger_fc1.in_features)
