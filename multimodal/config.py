@@ -157,6 +157,9 @@ class TrainConfig:
     seed: int = 1234
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     deterministic: bool = False
+    # selective activation recompute (multimodal/recompute.py): core_attn, layernorm,
+    # shared_experts, gdn_qkv, gdn_norm_out; outputs and gradients unchanged bit for bit
+    recompute_modules: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -321,6 +324,11 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     ]:
         _require(value >= 1, f"{name} must be >= 1, got {value}")
     _require(cfg.checkpoint.interval >= 0, "checkpoint.interval must be >= 0 (0 = only at the end)")
+    if t.recompute_modules:
+        from multimodal.recompute import check_modules
+
+        why = check_modules(t.recompute_modules, p.cp)
+        _require(why is None, f"train.recompute_modules: {why}")
     _require(cfg.logging.memory_snapshot_step >= 1,
              f"logging.memory_snapshot_step must be >= 1 (the step after which the snapshot is written), "
              f"got {cfg.logging.memory_snapshot_step}")

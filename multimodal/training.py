@@ -67,6 +67,10 @@ def build_model_and_optimizer(cfg: Config, rt: Runtime, dtype: torch.dtype):
     model = builder(cfg.model, cfg.parallel, dtype, pre_process=ps.is_pipeline_first_stage(),
                     post_process=ps.is_pipeline_last_stage(), deterministic=cfg.train.deterministic)
     model.to(rt.device)
+    if cfg.train.recompute_modules:
+        from multimodal.recompute import apply_recompute
+
+        apply_recompute(model, cfg.train.recompute_modules)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,

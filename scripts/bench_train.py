@@ -358,10 +358,27 @@ def main(argv: list[str] | None = None) -> dict:
         if sup != ours["supervised_tokens_per_window"]:
             raise BenchError(f"rebuilt batches differ from the trained ones (supervised tokens {sup} vs "
                              f"{ours['supervised_tokens_per_window']})")
+        retry = False
         try:
             result.update(run_hf(cfg, batches, args.warmup, args.steps, dtype, device, args.hf_feed, args.hf_gdn))
         except torch.cuda.OutOfMemoryError as e:
             result["hf_error"] = f"out of memory: {str(e).splitlines()[0]}"
+        except Exception as e:  # noqa: BLE001 - keep our figures; say what failed on their side
+            if args.hf_gdn != "auto" or importlib.util.find_spec("fla") is None or not rt.is_cuda:
+                raise
+            # e.g. fla 0.6.0's gated chunk backward refuses Hopper with some Triton versions
+            result["hf_fla_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            retry = True
+        if retry:  # outside the except block, so the failed run's frames (its model) are gone
+            log.warning("transformers with flash-linear-attention failed (%s); retrying with its PyTorch GDN",
+                        result["hf_fla_error"])
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            try:
+                result.update(run_hf(cfg, batches, args.warmup, args.steps, dtype, device, args.hf_feed, "torch"))
+            except torch.cuda.OutOfMemoryError as e:
+                result["hf_error"] = f"out of memory: {str(e).splitlines()[0]}"
         if result["hf_tokens_per_s"]:
             result["speedup_vs_hf"] = result["tokens_per_s"] / result["hf_tokens_per_s"]
     text = json.dumps(result, indent=1)
