@@ -242,3 +242,57 @@ def test_pp2_resume_reproduces_the_uninterrupted_run(tmp_path, dense_init):
     for step in (3, 4):
         assert resumed[step]["loss"] == full[step]["loss"], step
         assert resumed[step]["grad_norm"] == full[step]["grad_norm"], step
+
+
+_TIED_INIT_WORKER = '''
+import sys, torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+from megatron.core import parallel_state as ps
+from models import get_model_builder
+from multimodal.config import ParallelConfig, load_config
+from multimodal.platform import init_distributed, seed_everything
+
+init_distributed()
+ps.initialize_model_parallel(pipeline_model_parallel_size=2)
+seed_everything(1234)
+cfg = load_config(sys.argv[2])
+model = get_model_builder("qwen35_vl")(cfg.model, ParallelConfig(pp=2), torch.float32,
+                                       pre_process=ps.is_pipeline_first_stage(),
+                                       post_process=ps.is_pipeline_last_stage())
+lm = model.language_model
+layers = [type(layer.self_attention).__name__ for layer in lm.decoder.layers]
+weight = lm.shared_embedding_or_output_weight().detach().clone()
+first = weight.clone()
+dist.broadcast(first, src=0)
+out = {"rank": dist.get_rank(), "layers": layers, "numbers": [l.layer_number for l in lm.decoder.layers],
+       "has_vision": model.vision_model is not None, "tied_equal": bool(torch.equal(first, weight)),
+       "weight_norm": float(weight.norm())}
+print("RESULT", out, flush=True)
+ps.destroy_model_parallel()
+'''
+
+
+@pytest.mark.slow
+def test_pp2_stages_build_their_layers_and_start_with_equal_tied_embeddings(tmp_path):
+    """Without a checkpoint: each stage holds its half of the hybrid pattern (global layer numbers),
+    the vision encoder lives on the first stage, and the last stage's copy of the tied embedding
+    starts equal to the first stage's (megatron's embedding-group all-reduce, CPU-patched)."""
+    script = tmp_path / "worker.py"
+    script.write_text(_TIED_INIT_WORKER)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                           f"--master-port={_free_port()}", str(script), str(ROOT), DENSE],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    import ast
+
+    results = {r["rank"]: r for r in (ast.literal_eval(line.split("RESULT ", 1)[1])
+                                      for line in proc.stdout.splitlines() if "RESULT " in line)}
+    # proxy: 4 layers, full attention every 4th -> stage 0: GDN, GDN; stage 1: GDN, attention
+    assert results[0]["layers"] == ["Qwen35GatedDeltaNet", "Qwen35GatedDeltaNet"], results
+    assert results[1]["layers"] == ["Qwen35GatedDeltaNet", "MRopeSelfAttention"], results
+    assert results[0]["numbers"] == [1, 2] and results[1]["numbers"] == [3, 4], results
+    assert results[0]["has_vision"] and not results[1]["has_vision"]
+    assert results[1]["tied_equal"] and results[1]["weight_norm"] > 0, results
