@@ -47,6 +47,7 @@ def test_bench_train_runs_both_frameworks_on_cpu(tmp_path, feed):
     assert "ours / HF tokens/s" in proc.stderr
 
 
+@pytest.mark.slow
 def test_bench_train_skip_hf(tmp_path):
     res, _ = _bench(tmp_path, "--warmup", "0", "--steps", "1", "--skip-hf")
     for key in ("tokens_per_s", "tflops_per_gpu", "mfu", "peak_mem_gib"):
