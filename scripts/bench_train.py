@@ -284,6 +284,37 @@ def run_hf(cfg, batches: list[list[dict]], warmup: int, steps: int, dtype, devic
     return result
 
 
+# ------------------------------------------------------------------ recompute sweep
+
+
+def recompute_sweep(args, out_dir: str, forced: list[str], rt) -> dict:
+    """Ours once per recompute choice (fresh model each time): the memory each module saves."""
+    from multimodal.config import load_config, resolve_sources
+
+    probe = load_config(args.config, args.overrides)
+    choices = [[], ["layernorm"], ["gdn_qkv"], ["gdn_norm_out"], ["core_attn"]]
+    if probe.model.num_experts and probe.model.moe_shared_expert_intermediate_size:
+        choices.append(["shared_experts"])
+    choices.append(sorted({m for c in choices for m in c}))
+    out = {}
+    for mods in choices:
+        name = ",".join(mods) or "none"
+        d = Path(out_dir) / f"recompute_{name.replace(',', '+')}"
+        cfg = load_config(args.config, [f"logging.dir={d}", *args.overrides, *forced,
+                                        f"train.recompute_modules=[{','.join(mods)}]"])
+        resolve_sources(cfg)
+        gc.collect()
+        if rt.is_cuda:
+            torch.cuda.empty_cache()
+        r = run_ours(cfg, args.warmup, args.steps)
+        out[name] = {k: r[k] for k in ("peak_mem_gib", "step_time_s", "tokens_per_s", "loss_last")}
+        log.info("recompute %s: peak %.2f GiB, %.3f s/step", name, r["peak_mem_gib"], r["step_time_s"])
+    base = out["none"]["peak_mem_gib"]
+    for row in out.values():
+        row["saved_gib"] = base - row["peak_mem_gib"]
+    return out
+
+
 # ------------------------------------------------------------------ main
 
 
@@ -296,6 +327,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--json", help="write the result here (JSON)")
     ap.add_argument("--skip-hf", action="store_true", help="only our trainer")
     ap.add_argument("--hf-feed", choices=("row", "samples"), default="row")
+    ap.add_argument("--recompute-sweep", action="store_true",
+                    help="also run ours once per train.recompute_modules choice and report peak memory / speed")
     ap.add_argument("--hf-gdn", choices=("auto", "fla", "torch"), default="auto",
                     help="transformers' GDN kernels: fla when importable on CUDA (auto), or its PyTorch path")
     args = ap.parse_args(argv)
@@ -381,6 +414,8 @@ def main(argv: list[str] | None = None) -> dict:
                 result["hf_error"] = f"out of memory: {str(e).splitlines()[0]}"
         if result["hf_tokens_per_s"]:
             result["speedup_vs_hf"] = result["tokens_per_s"] / result["hf_tokens_per_s"]
+    if args.recompute_sweep:
+        result["recompute_sweep"] = recompute_sweep(args, out_dir, forced, rt)
     text = json.dumps(result, indent=1)
     print(text)
     _summary(result)
@@ -407,6 +442,9 @@ def _summary(r: dict) -> None:
         print(f"  ours / HF tokens/s: {r['speedup_vs_hf']:.2f}x", file=sys.stderr)
     elif r.get("hf_error"):
         print(f"  HF: {r['hf_error']}", file=sys.stderr)
+    for name, row in (r.get("recompute_sweep") or {}).items():
+        print(f"  recompute {name:45s} peak {row['peak_mem_gib']:7.2f} GiB (saves {row['saved_gib']:6.2f})  "
+              f"{row['step_time_s']:.3f} s/step", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -49,10 +49,17 @@ def test_bench_train_runs_both_frameworks_on_cpu(tmp_path, feed):
 
 @pytest.mark.slow
 def test_bench_train_skip_hf(tmp_path):
-    res, _ = _bench(tmp_path, "--warmup", "0", "--steps", "1", "--skip-hf")
+    res, _ = _bench(tmp_path, "--warmup", "0", "--steps", "1", "--skip-hf", "--recompute-sweep")
     for key in ("tokens_per_s", "tflops_per_gpu", "mfu", "peak_mem_gib"):
         assert _positive(res[key]), (key, res[key])
     assert res["hf_tokens_per_s"] is None and res["speedup_vs_hf"] is None
+    sweep = res["recompute_sweep"]
+    assert list(sweep) == ["none", "layernorm", "gdn_qkv", "gdn_norm_out", "core_attn",
+                           "core_attn,gdn_norm_out,gdn_qkv,layernorm"]
+    for row in sweep.values():
+        assert _positive(row["step_time_s"]) and _positive(row["peak_mem_gib"]) and "saved_gib" in row
+        # recompute never changes the forward: the same first-step loss for every choice
+        assert row["loss_last"] == sweep["none"]["loss_last"]
 
 
 def test_hf_inputs_keep_our_tokens_labels_and_images():
