@@ -60,6 +60,9 @@ def _run(out: Path, config: str, *overrides: str, nproc: int = 1, check: bool = 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
+    # one thread per process, as torchrun sets for the parallel runs: a busy machine otherwise
+    # stalls the single-process reference (OpenMP threads spinning against other processes)
+    env.setdefault("OMP_NUM_THREADS", "1")
     if nproc == 1:
         cmd = [sys.executable, "pretrain_multimodal.py"]
     else:
@@ -135,15 +138,28 @@ def test_one_sample_per_row_setting_holds():
         assert max(lengths) <= ONE_PER_ROW_SEQ < 2 * min(lengths), lengths
 
 
+@pytest.fixture(scope="module")
+def pp2_run(tmp_path_factory, dense_init):
+    """pp=2 from the shared init, with a checkpoint at step 2 (for the resume test)."""
+    out = tmp_path_factory.mktemp("pp2")
+    rows = _run(out, DENSE, *PACKED, f"checkpoint.load={dense_init}", "parallel.pp=2",
+                f"checkpoint.dir={out / 'ck'}", "checkpoint.interval=2", nproc=2)
+    return out, rows
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [
     ["parallel.tp=2"],
     ["parallel.tp=2", "parallel.sequence_parallel=true"],
-    ["parallel.pp=2"],
-], ids=["tp2", "tp2_sp", "pp2"])
-def test_tp_pp_match_one_process(tmp_path, dense_init, dense_packed_ref, layout):
+], ids=["tp2", "tp2_sp"])
+def test_tp_matches_one_process(tmp_path, dense_init, dense_packed_ref, layout):
     got = _run(tmp_path, DENSE, *PACKED, f"checkpoint.load={dense_init}", *layout, nproc=2)
     _compare(dense_packed_ref, got, "+".join(layout))
+
+
+@pytest.mark.slow
+def test_pp2_matches_one_process(dense_packed_ref, pp2_run):
+    _compare(dense_packed_ref, pp2_run[1], "parallel.pp=2")
 
 
 @pytest.mark.slow
@@ -231,13 +247,11 @@ def test_gradient_scaling_check_catches_double_scaling(built, bad, monkeypatch):
 
 
 @pytest.mark.slow
-def test_pp2_resume_reproduces_the_uninterrupted_run(tmp_path, dense_init):
+def test_pp2_resume_reproduces_the_uninterrupted_run(tmp_path, pp2_run):
     """Each pipeline stage saves and restores its own shard (plus its RNG and data position)."""
-    common = [*PACKED, "parallel.pp=2", "train.iters=4", "checkpoint.interval=2", "data.max_text_tokens=32"]
-    full = _run(tmp_path / "full", DENSE, *common, f"checkpoint.load={dense_init}",
-                f"checkpoint.dir={tmp_path / 'ck'}", nproc=2)
-    resumed = _run(tmp_path / "resumed", DENSE, *common, f"checkpoint.load={tmp_path / 'ck' / 'iter_0000002'}",
-                   f"checkpoint.dir={tmp_path / 'ck2'}", nproc=2)
+    out, full = pp2_run
+    resumed = _run(tmp_path, DENSE, *PACKED, "parallel.pp=2", f"checkpoint.load={out / 'ck' / 'iter_0000002'}",
+                   f"checkpoint.dir={tmp_path / 'ck'}", nproc=2)
     assert sorted(resumed) == [3, 4]
     for step in (3, 4):
         assert resumed[step]["loss"] == full[step]["loss"], step
