@@ -230,9 +230,14 @@ def _launch(x, out, position_ids, inv_freq, mrope_section, interleaved, layout, 
         min(n_tok.bit_length(), 16),
         D=D, HALF=half, SEC0=sec[0], SEC1=sec[1], SEC2=sec[2], INTERLEAVED=bool(interleaved), ZIGZAG=zig,
         BACKWARD=backward, BLOCK_H=block_h, BLOCK_F=block_f, BLOCK_P=block_p,
-        BLOCK_CU=triton.next_power_of_2(n_cu), BLOCK_D=block_d,
+        BLOCK_CU=cu_block(n_cu), BLOCK_D=block_d,
     )
     return out
+
+
+def cu_block(n_cu: int) -> int:
+    """Bucketed cu_seqlens width (compile-time constant): see kernels.fused_pre_gdr.cu_block."""
+    return max(64, triton.next_power_of_2(n_cu))
 
 
 def _unit_channel_stride(t: torch.Tensor) -> torch.Tensor:

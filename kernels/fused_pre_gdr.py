@@ -334,7 +334,7 @@ class _FusedPreGDR(torch.autograd.Function):
                 qkv, weight, b, a, A_log, dt_bias, cu, q, k, v, g, beta,
                 S, n_cu, qkv.stride(0), qkv.stride(1), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
                 C=C, NK=nk, NV=nv, K=K, V=V, VARLEN=cu_seqlens is not None,
-                BLOCK_C=triton.next_power_of_2(max(K, V)), BLOCK_CU=triton.next_power_of_2(n_cu),
+                BLOCK_C=triton.next_power_of_2(max(K, V)), BLOCK_CU=cu_block(n_cu),
             )
         ctx.save_for_backward(qkv, b, a, weight, A_log, dt_bias, cu_seqlens)
         ctx.dims = (nk, K, V)
@@ -367,18 +367,25 @@ class _FusedPreGDR(torch.autograd.Function):
             qkv, weight, b, a, A_log, dt_bias, cu, dq, dk, dv, dg, dbeta, du, db, da, dw_part, alog_part, dt_part,
             S, n_cu, qkv.stride(0), qkv.stride(1), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
             C=C, NK=nk, NV=nv, K=K, V=V, VARLEN=cu_seqlens is not None,
-            BLOCK_C=triton.next_power_of_2(max(K, V)), BLOCK_CU=triton.next_power_of_2(n_cu), TPP=tpp,
+            BLOCK_C=triton.next_power_of_2(max(K, V)), BLOCK_CU=cu_block(n_cu), TPP=tpp,
         )
         # phase 2: fold the taps back onto the conv input
         bt = 32
         _conv_fold[(triton.cdiv(S, bt), triton.cdiv(C, 128), B)](
             du, weight, cu, dx, S, n_cu, C=C, VARLEN=cu_seqlens is not None,
-            BLOCK_CU=triton.next_power_of_2(n_cu), BLOCK_T=bt, BLOCK_C=128, num_warps=4,
+            BLOCK_CU=cu_block(n_cu), BLOCK_T=bt, BLOCK_C=128, num_warps=4,
         )
         dw = dw_part.sum(0).to(weight.dtype)
         dalog = alog_part.sum(0).to(A_log.dtype)
         ddt = dt_part.sum(0).to(dt_bias.dtype)
         return dx, db, da, dw, dalog, ddt, None, None, None, None
+
+
+def cu_block(n_cu: int) -> int:
+    """Width of the cu_seqlens search, a compile-time constant. Bucketed (at least 64) so that the
+    number of packed samples, which changes every batch, does not trigger a recompile (and, with
+    autotuning, a re-benchmark) of every kernel: that cost 2x end to end on the 2B recipe."""
+    return max(64, triton.next_power_of_2(n_cu))
 
 
 def _tokens_per_program(S: int, rows: int) -> int:

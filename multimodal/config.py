@@ -82,8 +82,9 @@ class ModelConfig:
     attention_backend: str = "auto"  # auto | sdpa | varlen
     gdn_backend: str = "auto"  # auto | fla | torch
     # Fused Triton kernels beside PyTorch references (kernels/fused_mrope.py, fused_pre_gdr.py).
-    # null / auto: on when CUDA is available, the PyTorch path on CPU. Asked for but unable to
-    # run (CPU without TRITON_INTERPRET, unsupported dtype): one warning, then the PyTorch path.
+    # null / auto: the PyTorch path (models/qwen35_vl/model.py FUSED_KERNELS_BY_DEFAULT says why).
+    # Asked for but unable to run (CPU without TRITON_INTERPRET, unsupported dtype): one warning,
+    # then the PyTorch path.
     fused_mrope: bool | None = None
     gdn_pre_impl: str = "auto"  # auto | fused | unfused
     # LM loss through kernels/fused_linear_ce.py: chunked logits, never [tokens, vocab] at once
