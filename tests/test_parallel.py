@@ -170,11 +170,22 @@ def test_dp2_distributed_optimizer_matches_dp1(tmp_path, dense_init):
     _compare(ref, got, "dp2+distributed_optimizer")
 
 
+@pytest.fixture(scope="module")
+def moe_ref(tmp_path_factory, moe_init):
+    return _run(tmp_path_factory.mktemp("moe_ref"), MOE, *ONE_PER_ROW, f"checkpoint.load={moe_init}")
+
+
 @pytest.mark.slow
-def test_ep2_matches_one_process(tmp_path, moe_init):
-    ref = _run(tmp_path / "ep1", MOE, *ONE_PER_ROW, f"checkpoint.load={moe_init}")
-    got = _run(tmp_path / "ep2", MOE, *ONE_PER_ROW, f"checkpoint.load={moe_init}", "parallel.ep=2", nproc=2)
-    _compare(ref, got, "ep2")
+def test_ep2_matches_one_process(tmp_path, moe_init, moe_ref):
+    got = _run(tmp_path, MOE, *ONE_PER_ROW, f"checkpoint.load={moe_init}", "parallel.ep=2", nproc=2)
+    _compare(moe_ref, got, "ep2")
+
+
+@pytest.mark.slow
+def test_pp2_moe_untied_matches_one_process(tmp_path, moe_init, moe_ref):
+    """MoE layers (and their aux loss) on both stages, untied embedding and output layer."""
+    got = _run(tmp_path, MOE, *ONE_PER_ROW, f"checkpoint.load={moe_init}", "parallel.pp=2", nproc=2)
+    _compare(moe_ref, got, "pp2 (MoE, untied)")
 
 
 # ---------------------------------------------------------------- start-up checks (fast)
