@@ -8,6 +8,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from models.base import MultimodalModel
+from models.common.moe_aux_loss import use_group_mean_token_count
 from models.qwen35_vl import attention as attn_mod
 from models.qwen35_vl import gdn as gdn_mod
 from models.qwen35_vl.mrope import axis_of_frequency, inverse_frequencies, mrope_angles
@@ -136,6 +137,8 @@ def build(cfg, parallel, params_dtype: torch.dtype, pre_process: bool = True, po
           deterministic: bool = False) -> MultimodalModel:
     m = cfg
     tcfg = transformer_config(m, parallel, params_dtype, deterministic)
+    if m.num_experts:
+        use_group_mean_token_count()  # aux-loss scaling that does not depend on the CP/SP split
     attn_mod.CoreAttention.backend = m.attention_backend
     gdn_mod.Qwen35GatedDeltaNet.gdn_backend_request = m.gdn_backend
     # auto: the PyTorch path for now, on GPU too. Each fused kernel is 5-7x its unfused chain in
