@@ -16,11 +16,14 @@ from multimodal.context_parallel import CPPackedSeqParams, partition_batch
 from multimodal.loss import masked_token_loss
 
 
-def to_device(batch: dict, device: torch.device, pixel_dtype: torch.dtype) -> dict:
+def to_device(batch: dict, device: torch.device, pixel_dtype: torch.dtype, with_pixels: bool = True) -> dict:
     out = dict(batch)
     for key in ("tokens", "labels", "loss_mask", "position_ids"):
         out[key] = batch[key].to(device, non_blocking=True)
-    out["pixel_values"] = batch["pixel_values"].to(device, pixel_dtype, non_blocking=True)
+    if with_pixels:
+        out["pixel_values"] = batch["pixel_values"].to(device, pixel_dtype, non_blocking=True)
+    else:  # later pipeline stages have no vision encoder: do not ship the pixels
+        out["pixel_values"] = None
     for key in ("padding_mask", "cu_seqlens", "cu_seqlens_padded", "cp_gather_order", "cp_restore_order", "image_feature_index"):
         if batch.get(key) is not None:
             out[key] = batch[key].to(device, non_blocking=True)
@@ -48,6 +51,12 @@ def packed_seq_params(batch: dict, cp_group=None) -> PackedSeqParams | None:
     return PackedSeqParams(**fields) if fields else None
 
 
+def _unwrap(model):
+    while hasattr(model, "module"):  # megatron DDP / Float16Module wrappers
+        model = model.module
+    return model
+
+
 class ForwardStep:
     """Callable for megatron's forward_backward_func; records host-side batch stats."""
 
@@ -65,7 +74,7 @@ class ForwardStep:
         )
         if self.cp_size > 1:  # every CP rank read the same micro-batch; keep this rank's chunks
             batch = partition_batch(batch, self.cp_size, self.cp_rank, self.image_token_id)
-        b = to_device(batch, self.device, self.pixel_dtype)
+        b = to_device(batch, self.device, self.pixel_dtype, with_pixels=getattr(_unwrap(model), "pre_process", True))
         output = model(
             b["tokens"],
             b["position_ids"],
