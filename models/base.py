@@ -12,6 +12,8 @@ from megatron.core import tensor_parallel
 from megatron.core.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 
+from multimodal.context_parallel import VisionGather
+
 
 class MultimodalModel(MegatronModule):
     def __init__(self, config, language_model, vision_model, image_token_id: int, pre_process: bool = True,
@@ -32,14 +34,25 @@ class MultimodalModel(MegatronModule):
         return self.language_model.shared_embedding_or_output_weight()
 
     def embed(self, tokens: torch.Tensor, pixel_values: torch.Tensor | None,
-              image_grid_thw: torch.Tensor | None, image_feature_index: torch.Tensor | None = None) -> torch.Tensor:
+              image_grid_thw: torch.Tensor | None, image_feature_index: torch.Tensor | None = None,
+              vision_gather: tuple | None = None) -> torch.Tensor:
         """Token embeddings [S, B, H] with image features at the image-token positions.
 
         Under context parallelism ``tokens`` are this rank's share of the sequence and
         ``image_feature_index`` picks, for each local image token, its row of the features of
-        all images (every CP rank encodes every image of the micro-batch)."""
+        all images. By default every CP rank encodes every image of the micro-batch; with
+        ``vision_gather`` (index, width, group, rank; ``parallel.cp_split_vision``) it encodes only
+        its own images and the features of all images are all-gathered."""
         emb = self.language_model.embedding(input_ids=tokens, position_ids=None)  # [S, B, H]
-        if pixel_values is not None and pixel_values.numel() and self.vision_model is not None:
+        if vision_gather is not None and self.vision_model is not None:
+            # images split over CP ranks: every rank joins the all-gather, with or without images
+            own = (self.vision_model(pixel_values, image_grid_thw).to(emb.dtype) if pixel_values.numel()
+                   else emb.new_zeros(0, emb.shape[-1]))
+            features = VisionGather.apply(own, *vision_gather)
+            is_image = (tokens == self.image_token_id).unsqueeze(-1)
+            features = features.index_select(0, image_feature_index)
+            emb = emb.transpose(0, 1).masked_scatter(is_image, features).transpose(0, 1)
+        elif pixel_values is not None and pixel_values.numel() and self.vision_model is not None:
             features = self.vision_model(pixel_values, image_grid_thw).to(emb.dtype)
             if image_feature_index is not None:
                 features = features.index_select(0, image_feature_index)
@@ -52,9 +65,9 @@ class MultimodalModel(MegatronModule):
         return emb.contiguous()
 
     def forward(self, tokens, position_ids, labels=None, pixel_values=None, image_grid_thw=None,
-                packed_seq_params=None, image_feature_index=None, padding_mask=None):
+                packed_seq_params=None, image_feature_index=None, padding_mask=None, vision_gather=None):
         """padding_mask [B, S] (True on padding) keeps padding out of MoE routing and its aux losses."""
-        decoder_input = (self.embed(tokens, pixel_values, image_grid_thw, image_feature_index)
+        decoder_input = (self.embed(tokens, pixel_values, image_grid_thw, image_feature_index, vision_gather)
                          if self.pre_process else None)
         return self.language_model(
             input_ids=tokens,

@@ -147,6 +147,10 @@ class ParallelConfig:
     # GPUs the layout is designed for (nodes x GPUs per node); only --dry-run reads it, training
     # takes the real count from torchrun's WORLD_SIZE. None: the smallest world the layout fits.
     world_size: int | None = None
+    # context parallel: each CP rank encodes only its share of the micro-batch's images (whole
+    # images, balanced by patches) and the features are all-gathered; false: every CP rank
+    # encodes every image (no collective, duplicated vision compute)
+    cp_split_vision: bool = False
 
 
 @dataclass

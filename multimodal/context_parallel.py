@@ -79,13 +79,16 @@ def _segments(batch: dict) -> list[int]:
     return [e - s for s, e in zip(cu[:-1], cu[1:])]
 
 
-def partition_batch(batch: dict, cp: int, rank: int, image_token_id: int) -> dict:
+def partition_batch(batch: dict, cp: int, rank: int, image_token_id: int, split_vision: bool = False,
+                    merge: int = 2) -> dict:
     """This CP rank's share of a collated (host) micro-batch, plus the reorder metadata.
 
     Added keys: ``cp_gather_order``, ``cp_restore_order`` (see CPPackedSeqParams) and
     ``image_feature_index``: for every local image token, in local order, its ordinal among
     all image tokens of the batch, i.e. which row of the vision features it receives.
     Host metadata (sample lengths, grids, real-token counts) stays that of the whole batch.
+    With ``split_vision`` each rank encodes only its share of the images (``_split_images``)
+    instead of all of them.
     """
     segments = _segments(batch)
     local = zigzag_indices(segments, cp, rank)
@@ -101,7 +104,41 @@ def partition_batch(batch: dict, cp: int, rank: int, image_token_id: int) -> dic
     out["cp_gather_order"] = order
     out["cp_restore_order"] = torch.argsort(order)
     out["cp_size"], out["cp_rank"] = cp, rank
+    if split_vision and batch["image_grid_thw"].numel():
+        out.update(_split_images(batch, cp, rank, merge))
     return out
+
+
+def _split_images(batch: dict, cp: int, rank: int, merge: int) -> dict:
+    """Give each CP rank whole images to encode (largest first, to the least-loaded rank), and
+    the index that puts every rank's features back into the batch's image order after an
+    all-gather padded to the busiest rank's row count (``VisionGather``)."""
+    grids = batch["image_grid_thw"].reshape(-1, 3)
+    patches = grids.prod(dim=1).tolist()
+    feats = [n // merge**2 for n in patches]
+    load, owner = [0] * cp, [0] * len(patches)
+    for i in sorted(range(len(patches)), key=lambda i: -patches[i]):
+        r = min(range(cp), key=lambda r: load[r])
+        owner[i], load[r] = r, load[r] + patches[i]
+    mine = [i for i in range(len(patches)) if owner[i] == rank]  # in batch order
+    starts = [0, *torch.tensor(patches).cumsum(0).tolist()]
+    rows = [torch.arange(starts[i], starts[i + 1]) for i in mine]
+    pixel_values = batch["pixel_values"][torch.cat(rows)] if rows else batch["pixel_values"][:0]
+    per_rank = [sum(feats[i] for i in range(len(feats)) if owner[i] == r) for r in range(cp)]
+    width = max(per_rank)
+    offset = [r * width for r in range(cp)]  # where rank r's features start in the gathered buffer
+    index = []
+    for i in range(len(feats)):  # global feature order: image by image
+        r = owner[i]
+        index.append(torch.arange(offset[r], offset[r] + feats[i]))
+        offset[r] += feats[i]
+    return {
+        "pixel_values": pixel_values,
+        "image_grid_thw": grids[mine] if mine else grids[:0],
+        "vision_gather_index": torch.cat(index),
+        "vision_gather_width": width,
+        "vision_images": mine,  # which of the batch's images this rank encodes
+    }
 
 
 # ---------------------------------------------------------------- device side: all-to-all
@@ -145,6 +182,30 @@ def heads_to_tokens(y: torch.Tensor, p: CPPackedSeqParams) -> torch.Tensor:
     y = y.index_select(0, p.gather_order).reshape(cp, s_local, *y.shape[1:])
     x = _AllToAll.apply(y, p.cp_mixer_group)  # [cp (head group), S_local, B, *rest]
     return x.movedim(0, 2)
+
+
+class VisionGather(torch.autograd.Function):
+    """This rank's image features [n_own, H] -> the features of all images of the micro-batch, in
+    batch order, on every CP rank. Forward: one all-gather, padded to the busiest rank. Backward:
+    every rank's gradient for every image is summed (all-reduce) and each rank keeps its own
+    images' rows, which is the gradient of its vision encoder's output."""
+
+    @staticmethod
+    def forward(ctx, own: torch.Tensor, index: torch.Tensor, width: int, group, rank: int) -> torch.Tensor:
+        ctx.index, ctx.width, ctx.group, ctx.rank, ctx.n_own = index, width, group, rank, own.shape[0]
+        padded = own.new_zeros(width, own.shape[1])
+        padded[: own.shape[0]] = own
+        parts = [torch.empty_like(padded) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, padded.contiguous(), group=group)
+        return torch.cat(parts).index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        size = dist.get_world_size(ctx.group)
+        full = grad.new_zeros(size * ctx.width, grad.shape[1]).index_add_(0, ctx.index, grad)
+        dist.all_reduce(full, group=ctx.group)
+        start = ctx.rank * ctx.width
+        return full[start: start + ctx.n_own], None, None, None, None
 
 
 def split_heads(x: torch.Tensor, cp: int) -> torch.Tensor:

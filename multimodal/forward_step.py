@@ -24,7 +24,7 @@ def to_device(batch: dict, device: torch.device, pixel_dtype: torch.dtype, with_
         out["pixel_values"] = batch["pixel_values"].to(device, pixel_dtype, non_blocking=True)
     else:  # later pipeline stages have no vision encoder: do not ship the pixels
         out["pixel_values"] = None
-    for key in ("padding_mask", "cu_seqlens", "cu_seqlens_padded", "cp_gather_order", "cp_restore_order", "image_feature_index"):
+    for key in ("padding_mask", "vision_gather_index", "cu_seqlens", "cu_seqlens_padded", "cp_gather_order", "cp_restore_order", "image_feature_index"):
         if batch.get(key) is not None:
             out[key] = batch[key].to(device, non_blocking=True)
     return out
@@ -51,6 +51,13 @@ def packed_seq_params(batch: dict, cp_group=None) -> PackedSeqParams | None:
     return PackedSeqParams(**fields) if fields else None
 
 
+def vision_gather(batch: dict, cp_group):
+    """(index, width, group, rank) for MultimodalModel when the batch's images are split over CP."""
+    if batch.get("vision_gather_index") is None:
+        return None
+    return batch["vision_gather_index"], batch["vision_gather_width"], cp_group, batch["cp_rank"]
+
+
 def _unwrap(model):
     while hasattr(model, "module"):  # megatron DDP / Float16Module wrappers
         model = model.module
@@ -61,10 +68,11 @@ class ForwardStep:
     """Callable for megatron's forward_backward_func; records host-side batch stats."""
 
     def __init__(self, device: torch.device, pixel_dtype: torch.dtype, cp_size: int = 1, cp_rank: int = 0,
-                 cp_group=None, image_token_id: int | None = None):
+                 cp_group=None, image_token_id: int | None = None, cp_split_vision: bool = False, merge: int = 2):
         self.device, self.pixel_dtype = device, pixel_dtype
         self.cp_size, self.cp_rank, self.cp_group = cp_size, cp_rank, cp_group
         self.image_token_id = image_token_id
+        self.cp_split_vision, self.merge = cp_split_vision, merge
         self.batches: list[dict] = []  # host metadata of this step's micro-batches (for FLOPs)
 
     def __call__(self, data_iterator, model):
@@ -73,7 +81,8 @@ class ForwardStep:
             {k: batch[k] for k in ("sample_lengths", "num_real_tokens", "image_grid_thw")}
         )
         if self.cp_size > 1:  # every CP rank read the same micro-batch; keep this rank's chunks
-            batch = partition_batch(batch, self.cp_size, self.cp_rank, self.image_token_id)
+            batch = partition_batch(batch, self.cp_size, self.cp_rank, self.image_token_id,
+                                    split_vision=self.cp_split_vision, merge=self.merge)
         b = to_device(batch, self.device, self.pixel_dtype, with_pixels=getattr(_unwrap(model), "pre_process", True))
         output = model(
             b["tokens"],
@@ -84,5 +93,6 @@ class ForwardStep:
             packed_seq_params=packed_seq_params(b, self.cp_group),
             image_feature_index=b.get("image_feature_index"),
             padding_mask=b.get("padding_mask"),
+            vision_gather=vision_gather(b, self.cp_group),
         )
         return output, partial(masked_token_loss, loss_mask=b["loss_mask"])

@@ -257,7 +257,8 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
         optimizer.zero_grad()
         step = ForwardStep(rt.device, dtype, cp_size=ps.get_context_parallel_world_size(),
                            cp_rank=ps.get_context_parallel_rank(), cp_group=ps.get_context_parallel_group(),
-                           image_token_id=m.image_token_id)
+                           image_token_id=m.image_token_id, cp_split_vision=cfg.parallel.cp_split_vision,
+                           merge=m.vision.spatial_merge_size)
         outputs = fwd_bwd(
             forward_step_func=step,
             data_iterator=batches,

@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--init", required=True)
     ap.add_argument("--bshd", action="store_true")
+    ap.add_argument("--split-vision", action="store_true")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args()
     import torch.distributed as dist
@@ -39,7 +40,7 @@ def main() -> None:
     from models import get_model_builder
     from multimodal.config import load_config
     from multimodal.context_parallel import gather_sequence
-    from multimodal.forward_step import packed_seq_params, partition_batch
+    from multimodal.forward_step import packed_seq_params, partition_batch, vision_gather
     from multimodal.platform import init_distributed, seed_everything
 
     init_distributed()
@@ -66,11 +67,13 @@ def main() -> None:
     else:
         batch = pack_thd(samples, 512, pad_multiple=PAD_MULTIPLE, **kw)
     if cp > 1:
-        batch = partition_batch(batch, cp, ps.get_context_parallel_rank(), m.image_token_id)
+        batch = partition_batch(batch, cp, ps.get_context_parallel_rank(), m.image_token_id,
+                                split_vision=args.split_vision, merge=m.vision.spatial_merge_size)
     params = packed_seq_params(batch, ps.get_context_parallel_group())
     losses = model(batch["tokens"], batch["position_ids"], labels=batch["labels"],
                    pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
-                   packed_seq_params=params, image_feature_index=batch.get("image_feature_index"))
+                   packed_seq_params=params, image_feature_index=batch.get("image_feature_index"),
+                   vision_gather=vision_gather(batch, ps.get_context_parallel_group()))
     loss = (losses * batch["loss_mask"]).sum()
     loss.backward()
     full_losses = gather_sequence(losses, params) if cp > 1 else losses.detach()

@@ -89,6 +89,32 @@ def test_partition_routes_image_features_to_the_rank_holding_their_tokens(proxy)
         assert torch.equal(order[part["cp_restore_order"]], torch.arange(512))
 
 
+def test_split_vision_gives_each_image_to_one_rank_and_restores_batch_order(proxy):
+    cfg, ds = proxy
+    m = cfg.model
+    b = pack_thd([ds[i] for i in range(3)], 512, pad_multiple=8, **_kw(m))
+    n_images, merge = b["image_grid_thw"].shape[0], m.vision.spatial_merge_size
+    rows = b["image_grid_thw"].prod(dim=1)
+    # stand-in "features": one row per merged token, numbered in batch order
+    feats = torch.arange(int((rows // merge**2).sum()))
+    starts = [0, *rows.cumsum(0).tolist()]
+    seen, gathered = [], []
+    for r in range(4):
+        part = partition_batch(b, 4, r, m.image_token_id, split_vision=True, merge=merge)
+        own = part["vision_images"]
+        seen += own
+        assert torch.equal(part["pixel_values"],
+                           torch.cat([b["pixel_values"][starts[i]:starts[i + 1]] for i in own] + [b["pixel_values"][:0]]))
+        assert part["pixel_values"].shape[0] == int(part["image_grid_thw"].prod(dim=1).sum())
+        # what this rank's encoder would output for its images, padded to the gather width
+        f_starts = [0, *(rows // merge**2).cumsum(0).tolist()]
+        mine = torch.cat([feats[f_starts[i]:f_starts[i + 1]] for i in own]) if own else feats[:0]
+        width = part["vision_gather_width"]
+        gathered.append(torch.cat([mine, torch.full((width - len(mine),), -1)]))
+    assert sorted(seen) == list(range(n_images))  # every image encoded exactly once
+    assert torch.equal(torch.cat(gathered)[part["vision_gather_index"]], feats)
+
+
 def test_layouts_that_cannot_split_are_refused():
     cfg = load_config(ROOT / "configs/qwen35_vl_proxy.yaml", ["parallel.cp=2", "train.seq_length=510"])
     with pytest.raises(ConfigError, match="multiple of 2\\*cp = 4"):
@@ -119,7 +145,9 @@ def _compare(single: dict, parallel: dict) -> None:
     torch.testing.assert_close(parallel["loss"], single["loss"], rtol=1e-6, atol=1e-4)
     for name, g in single["grads"].items():
         assert g.abs().sum() > 0 or "bias" in name, name  # the comparison covers real gradients
-        torch.testing.assert_close(parallel["grads"][name], g, rtol=1e-4, atol=1e-6, msg=name)
+        # fp32 sums in another order (4-rank all-reduces; the vision tower on a subset of the images
+        # with split vision): worst seen 1.8e-6 absolute on one element of the tied embedding
+        torch.testing.assert_close(parallel["grads"][name], g, rtol=1e-4, atol=1e-5, msg=name)
 
 
 # GDN heads that split 4 ways (grouped value heads kept: 2 per key head); attention keeps 4 query
@@ -130,10 +158,11 @@ FUSED = ("model.gdn_pre_impl=fused", "model.fused_mrope=true")  # fused pre-GDR 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cp,layout,overrides", [(2, "thd", ()), (2, "bshd", ()), (4, "thd", CP4),
-                                                 (2, "thd", FUSED)], ids=["cp2-thd", "cp2-bshd", "cp4-thd", "cp2-fused"])
+                                                 (4, "thd-split-vision", CP4), (2, "thd", FUSED)],
+                         ids=["cp2-thd", "cp2-bshd", "cp4-thd", "cp4-split-vision", "cp2-fused"])
 def test_context_parallel_matches_one_process(tmp_path, cp, layout, overrides):
     init = tmp_path / "init.pt"
-    flags = ["--bshd"] if layout == "bshd" else []
+    flags = {"bshd": ["--bshd"], "thd-split-vision": ["--split-vision"]}.get(layout, [])
     interpret = overrides == FUSED
     _torchrun(1, str(tmp_path / "single.pt"), "--init", str(init), *flags, *overrides, interpret=interpret)
     _torchrun(cp, str(tmp_path / "parallel.pt"), "--init", str(init), *flags, *overrides, interpret=interpret)
