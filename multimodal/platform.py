@@ -96,11 +96,15 @@ def init_distributed(timeout_minutes: int = 30) -> Runtime:
         apply_cpu_patches()
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
+        # one process without a launcher: an in-memory store, no TCP port to race for (a port
+        # picked free and bound a moment later can be taken by another job in between)
+        store = dist.HashStore() if world_size == 1 and "TORCHELASTIC_RUN_ID" not in os.environ else None
         dist.init_process_group(
             backend=backend,
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(minutes=timeout_minutes),
+            store=store,
         )
     return Runtime(device, rank, world_size, local_rank, backend)
 
