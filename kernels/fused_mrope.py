@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 
@@ -40,16 +39,9 @@ try:
 except ImportError:  # CPU-only installs without triton: the reference still works
     triton = None
 
+from kernels.triton_support import autotuning, cu_block, interpreting, unavailable_reason  # noqa: E402
+
 LAYOUTS = ("bshd", "sbhd", "thd")
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def autotuning() -> bool:
-    """FUSED_KERNELS_AUTOTUNE=0 pins one config: parity runs compile many shapes and need no tuning."""
-    return not interpreting() and os.environ.get("FUSED_KERNELS_AUTOTUNE", "1") != "0"
 
 
 # ----------------------------------------------------------------------------- reference
@@ -91,12 +83,9 @@ def _positions_3bs(position_ids: torch.Tensor, layout: str) -> torch.Tensor:
 
 def available(x: torch.Tensor, layout: str = "sbhd") -> str | None:
     """None when the fused kernel can run on x, else the reason (for the fallback warning)."""
-    if triton is None:
-        return "triton is not installed"
-    if not x.is_cuda and not interpreting():
-        return "tensor is not on a CUDA device (set TRITON_INTERPRET=1 to run Triton on CPU)"
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return f"dtype {x.dtype} is not fp32/bf16/fp16"
+    reason = unavailable_reason(x)
+    if reason is not None:
+        return reason
     if layout not in LAYOUTS:
         return f"layout {layout!r} is not one of {LAYOUTS}"
     return None
@@ -234,10 +223,6 @@ def _launch(x, out, position_ids, inv_freq, mrope_section, interleaved, layout, 
     )
     return out
 
-
-def cu_block(n_cu: int) -> int:
-    """Bucketed cu_seqlens width (compile-time constant): see kernels.fused_pre_gdr.cu_block."""
-    return max(64, triton.next_power_of_2(n_cu))
 
 
 def _unit_channel_stride(t: torch.Tensor) -> torch.Tensor:

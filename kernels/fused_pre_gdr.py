@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
@@ -38,16 +37,9 @@ try:
 except ImportError:  # CPU-only installs without triton: the reference still works
     triton = None
 
+from kernels.triton_support import autotuning, cu_block, interpreting, unavailable_reason  # noqa: E402
+
 EPS = 1e-6  # l2norm eps of the reference (inside the rsqrt)
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def autotuning() -> bool:
-    """FUSED_KERNELS_AUTOTUNE=0 pins one config: parity runs compile many shapes and need no tuning."""
-    return not interpreting() and os.environ.get("FUSED_KERNELS_AUTOTUNE", "1") != "0"
 
 
 # ----------------------------------------------------------------------------- reference
@@ -80,12 +72,9 @@ def pre_gdr_reference(qkv, b, a, weight, A_log, dt_bias, cu_seqlens, num_k_heads
 
 def available(qkv: torch.Tensor, weight: torch.Tensor, num_k_heads: int, num_v_heads: int) -> str | None:
     """None when the fused kernels can run on these inputs, else the reason (for the fallback warning)."""
-    if triton is None:
-        return "triton is not installed"
-    if not qkv.is_cuda and not interpreting():
-        return "tensor is not on a CUDA device (set TRITON_INTERPRET=1 to run Triton on CPU)"
-    if qkv.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return f"dtype {qkv.dtype} is not fp32/bf16/fp16"
+    reason = unavailable_reason(qkv)
+    if reason is not None:
+        return reason
     if weight.shape[-1] != 4:
         return f"conv kernel size {weight.shape[-1]} (the kernel is written for 4)"
     if num_v_heads % num_k_heads:
@@ -380,12 +369,6 @@ class _FusedPreGDR(torch.autograd.Function):
         ddt = dt_part.sum(0).to(dt_bias.dtype)
         return dx, db, da, dw, dalog, ddt, None, None, None, None
 
-
-def cu_block(n_cu: int) -> int:
-    """Width of the cu_seqlens search, a compile-time constant. Bucketed (at least 64) so that the
-    number of packed samples, which changes every batch, does not trigger a recompile (and, with
-    autotuning, a re-benchmark) of every kernel: that cost 2x end to end on the 2B recipe."""
-    return max(64, triton.next_power_of_2(n_cu))
 
 
 def _tokens_per_program(S: int, rows: int) -> int:
