@@ -48,13 +48,13 @@ LAYOUTS = ("bshd", "sbhd", "thd")
 
 
 def zigzag_global_index(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """Global token index of each local token of rank cp_rank (host-side loop: reference only)."""
-    idx = []
-    for s, e in zip(cu_seqlens.tolist()[:-1], cu_seqlens.tolist()[1:]):
-        c = (e - s) // (2 * cp_size)
-        idx += list(range(s + cp_rank * c, s + (cp_rank + 1) * c))
-        idx += list(range(s + (2 * cp_size - 1 - cp_rank) * c, s + (2 * cp_size - cp_rank) * c))
-    return torch.tensor(idx, dtype=torch.long, device=cu_seqlens.device)
+    """Global token index of each local token of rank cp_rank (host side: reference only); the
+    split the model's data path uses (multimodal.context_parallel.zigzag_indices)."""
+    from multimodal.context_parallel import zigzag_indices
+
+    cu = cu_seqlens.tolist()
+    segments = [e - s for s, e in zip(cu[:-1], cu[1:])]
+    return zigzag_indices(segments, cp_size, cp_rank).to(cu_seqlens.device)
 
 
 def mrope_reference(x, position_ids, inv_freq, mrope_section, interleaved=True, layout="bshd",

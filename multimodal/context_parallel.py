@@ -91,8 +91,9 @@ def partition_batch(batch: dict, cp: int, rank: int, image_token_id: int, split_
     instead of all of them.
     """
     segments = _segments(batch)
-    local = zigzag_indices(segments, cp, rank)
     order = torch.cat([zigzag_indices(segments, cp, r) for r in range(cp)])
+    share = order.numel() // cp
+    local = order[rank * share:(rank + 1) * share]  # every rank holds the same number of tokens
     out = dict(batch)
     for key in ("tokens", "labels", "loss_mask", "padding_mask"):
         if batch.get(key) is not None:
