@@ -270,7 +270,7 @@ def test_pp2_resume_reproduces_the_uninterrupted_run(tmp_path, pp2_run):
 
 
 _TIED_INIT_WORKER = '''
-import sys, torch, torch.distributed as dist
+import json, sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
 from megatron.core import parallel_state as ps
 from models import get_model_builder
@@ -292,7 +292,9 @@ dist.broadcast(first, src=0)
 out = {"rank": dist.get_rank(), "layers": layers, "numbers": [l.layer_number for l in lm.decoder.layers],
        "has_vision": model.vision_model is not None, "tied_equal": bool(torch.equal(first, weight)),
        "weight_norm": float(weight.norm())}
-print("RESULT", out, flush=True)
+# one file per rank: two ranks printing to the shared stdout can interleave their lines
+with open(f"{sys.argv[3]}/result_{dist.get_rank()}.json", "w") as f:
+    json.dump(out, f)
 ps.destroy_model_parallel()
 '''
 
@@ -308,13 +310,10 @@ def test_pp2_stages_build_their_layers_and_start_with_equal_tied_embeddings(tmp_
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                           f"--master-port={_free_port()}", str(script), str(ROOT), DENSE],
+                           f"--master-port={_free_port()}", str(script), str(ROOT), DENSE, str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    import ast
-
-    results = {r["rank"]: r for r in (ast.literal_eval(line.split("RESULT ", 1)[1])
-                                      for line in proc.stdout.splitlines() if "RESULT " in line)}
+    results = {rank: json.loads((tmp_path / f"result_{rank}.json").read_text()) for rank in (0, 1)}
     # proxy: 4 layers, full attention every 4th -> stage 0: GDN, GDN; stage 1: GDN, attention
     assert results[0]["layers"] == ["Qwen35GatedDeltaNet", "Qwen35GatedDeltaNet"], results
     assert results[1]["layers"] == ["Qwen35GatedDeltaNet", "MRopeSelfAttention"], results
