@@ -207,6 +207,11 @@ class LoggingConfig:
     memory_snapshot_step: int = 3
     # 0: Python's automatic GC; N: GC off, gc.collect() every N steps on every rank at once
     manual_gc_interval: int = 0
+    # torch.profiler over steps profile_step .. profile_step + profile_num_steps - 1 (0 = off) on
+    # profile_ranks: <dir>/profile/trace_rank{r}.json.gz + kernels_rank{r}.txt (multimodal/profiling.py)
+    profile_step: int = 0
+    profile_num_steps: int = 2
+    profile_ranks: list[int] = field(default_factory=lambda: [0])
 
 
 @dataclass
@@ -340,6 +345,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _require(cfg.logging.manual_gc_interval >= 0,
              f"logging.manual_gc_interval must be >= 0 (0 keeps Python's automatic GC), "
              f"got {cfg.logging.manual_gc_interval}")
+    _require(cfg.logging.profile_step >= 0 and cfg.logging.profile_num_steps >= 1,
+             f"logging.profile_step must be >= 0 (0 = off) and logging.profile_num_steps >= 1, got "
+             f"{cfg.logging.profile_step} and {cfg.logging.profile_num_steps}")
     _require(t.precision in ("auto", "bf16", "fp32"), f"train.precision must be auto|bf16|fp32, got {t.precision!r}")
     _require(d.name in ("mock", "cord_v2"), f"data.name {d.name!r} is not available; choose: mock, cord_v2")
     if d.name == "cord_v2":

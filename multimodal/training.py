@@ -36,6 +36,7 @@ from multimodal.loss import masked_token_loss
 from multimodal.memory import MemoryTools
 from multimodal.metrics import MetricsSink
 from multimodal.platform import Runtime, init_distributed, seed_everything
+from multimodal.profiling import StepProfiler
 
 log = logging.getLogger(__name__)
 
@@ -252,42 +253,48 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
     if rt.is_cuda:
         torch.cuda.reset_peak_memory_stats()
 
-    for it in range(start + 1, t.iters + 1):
-        ddp.zero_grad_buffer()
-        optimizer.zero_grad()
-        step = ForwardStep(rt.device, dtype, cp_size=ps.get_context_parallel_world_size(),
-                           cp_rank=ps.get_context_parallel_rank(), cp_group=ps.get_context_parallel_group(),
-                           image_token_id=m.image_token_id, cp_split_vision=cfg.parallel.cp_split_vision,
-                           merge=m.vision.spatial_merge_size)
-        outputs = fwd_bwd(
-            forward_step_func=step,
-            data_iterator=batches,
-            model=[ddp],
-            num_microbatches=num_microbatches,
-            seq_length=t.seq_length,
-            micro_batch_size=t.micro_batch_size,
-            forward_only=False,
-        )
-        _, grad_norm, _ = optimizer.step()
-        scheduler.step(increment=1)
-        for out in outputs:
-            report += out["lm loss"]
-        window.add(step.batches, m)
-        sink.advance()
-        if mem is not None:
-            mem.after_step(it)
+    profiler = StepProfiler(cfg.logging, dist.get_rank(), rt.is_cuda)
+    try:
+        for it in range(start + 1, t.iters + 1):
+            profiler.begin(it)
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            step = ForwardStep(rt.device, dtype, cp_size=ps.get_context_parallel_world_size(),
+                               cp_rank=ps.get_context_parallel_rank(), cp_group=ps.get_context_parallel_group(),
+                               image_token_id=m.image_token_id, cp_split_vision=cfg.parallel.cp_split_vision,
+                               merge=m.vision.spatial_merge_size)
+            outputs = fwd_bwd(
+                forward_step_func=step,
+                data_iterator=batches,
+                model=[ddp],
+                num_microbatches=num_microbatches,
+                seq_length=t.seq_length,
+                micro_batch_size=t.micro_batch_size,
+                forward_only=False,
+            )
+            _, grad_norm, _ = optimizer.step()
+            scheduler.step(increment=1)
+            for out in outputs:
+                report += out["lm loss"]
+            window.add(step.batches, m)
+            profiler.end(it)
+            sink.advance()
+            if mem is not None:
+                mem.after_step(it)
 
-        if it % cfg.logging.interval == 0 or it == t.iters:
-            metrics = _log_metrics(it, report, grad_norm, scheduler, window, peak, rt)
-            metrics["param_norm"] = _param_norm(model)
-            result.losses[it] = metrics["loss"]
-            sink.log(it, metrics)
-            report.zero_()
-            window = _Window()
-        if ck.dir and ((ck.interval and it % ck.interval == 0) or (it == t.iters and ck.save_at_end)):
-            checkpointing.save(ck.dir, it, model, optimizer, scheduler, batches.state_dict(), ck.keep_last,
-                               meta_files=checkpoint_meta(cfg))
-        result.last_iteration = it
+            if it % cfg.logging.interval == 0 or it == t.iters:
+                metrics = _log_metrics(it, report, grad_norm, scheduler, window, peak, rt)
+                metrics["param_norm"] = _param_norm(model)
+                result.losses[it] = metrics["loss"]
+                sink.log(it, metrics)
+                report.zero_()
+                window = _Window()
+            if ck.dir and ((ck.interval and it % ck.interval == 0) or (it == t.iters and ck.save_at_end)):
+                checkpointing.save(ck.dir, it, model, optimizer, scheduler, batches.state_dict(), ck.keep_last,
+                                   meta_files=checkpoint_meta(cfg))
+            result.last_iteration = it
+    finally:
+        profiler.close()  # a run that stops inside the window still writes its profile
     sink.close()
     return result
 

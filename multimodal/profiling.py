@@ -1,0 +1,205 @@
+"""Step profiler for the training loop: where the time of a step goes.
+
+``logging.profile_step=N`` (0 = off) runs ``torch.profiler`` over steps
+``N .. N + logging.profile_num_steps - 1`` on the ranks in ``logging.profile_ranks`` and writes,
+under ``<logging.dir>/profile/``:
+
+- ``trace_rank{r}.json.gz``: the full timeline (open in https://ui.perfetto.dev or
+  chrome://tracing; TensorBoard's profiler plugin reads it too);
+- ``kernels_rank{r}.txt`` / ``.json``: per profiled step, the device time by kernel (top N) and
+  by category (GEMM, attention, linear attention, NCCL, optimizer, elementwise, ...), and how
+  much of the wall time the GPU was busy at all (the rest is launch overhead, host syncs or
+  data waits).
+
+The summary is computed from the exported trace itself (kernel events and their durations),
+which keeps it independent of the profiler's Python API, whose field names have changed
+across torch releases. On CPU there are no kernels; the summary then ranks CPU operators by
+self time, which is what a CPU run spends its time in.
+
+Profiling costs time (the profiler records every launch), so the profiled steps' own timings
+in metrics.jsonl are not representative; the trace's relative figures are.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+TOP_N = 30
+
+# First match wins; names are CUDA kernel names (cuBLAS/CUTLASS, flash-attention, Triton
+# kernels of flash-linear-attention and of ours, tilelang, NCCL, PyTorch's own kernels).
+CATEGORIES = [
+    ("nccl", r"nccl"),
+    ("memcpy/memset", r"^Memcpy|^Memset|memcpy|memset"),
+    ("ours: fused triton", r"mrope|pre_gdr|linear_ce|_lce_"),
+    ("attention (flash)", r"flash|fmha|attention|_attn_"),
+    ("linear attention (fla/tilelang)", r"chunk_|delta|kkt|solve_tril|recompute_w_u|causal_conv1d|l2norm"
+                                        r"|cumsum_|tilelang|^main_kernel|gated_delta|_gdn"),
+    ("gemm", r"gemm|cutlass|cublas|nvjet|sm90_xmma|sm80_xmma|_xmma_|matmul|wgmma|splitk"),
+    ("optimizer", r"multi_tensor|adam|fused_adam|_foreach|foreach"),
+    ("softmax/norm", r"softmax|layer_norm|rms_norm|norm_kernel|batch_norm"),
+    ("reduction", r"reduce_kernel|reduction|argmax|cub::|radix|sum_kernel"),
+    ("index/scatter/gather", r"index|scatter|gather|embedding|masked|where"),
+    ("elementwise", r"elementwise|vectorized|unrolled|copy|fill|cat_|arange|triu|tril"),
+    ("triton (other)", r"^triton_|_kernel$"),
+]
+_CAT_RE = [(name, re.compile(pat, re.IGNORECASE)) for name, pat in CATEGORIES]
+_KERNEL_CATS = {"kernel", "gpu_memcpy", "gpu_memset"}
+
+
+def categorize(kernel_name: str) -> str:
+    for name, pattern in _CAT_RE:
+        if pattern.search(kernel_name):
+            return name
+    return "other"
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals: time at least one kernel was running
+    (kernels on several streams overlap; summing their durations would overcount)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
+
+
+def summarize_trace(events: list[dict], top_n: int = TOP_N) -> list[dict]:
+    """One summary per ``ProfilerStep#k`` in a chrome trace: wall time, device-busy time,
+    device time by category and the top kernels. Kernels are attributed to the step whose
+    host span they start in (plus the tail after the last step, which is that step's
+    asynchronous work)."""
+    steps = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+                   if e.get("ph") == "X" and e.get("cat") in ("user_annotation", "cpu_op")
+                   and str(e.get("name", "")).startswith("ProfilerStep#"))
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in _KERNEL_CATS]
+    out = []
+    for i, (start, end, name) in enumerate(steps):
+        # a step's kernels may run after its host span ends (the host is ahead of the GPU):
+        # everything until the next step's host span begins belongs to this step
+        horizon = steps[i + 1][0] if i + 1 < len(steps) else float("inf")
+        mine = [k for k in kernels if start <= k["ts"] < horizon]
+        wall_end = max([end] + [k["ts"] + k["dur"] for k in mine])
+        by_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+        by_cat: dict[str, float] = defaultdict(float)
+        for k in mine:
+            agg = by_kernel[k["name"]]
+            agg[0] += k["dur"]
+            agg[1] += 1
+            by_cat[categorize(k["name"])] += k["dur"]
+        kernel_us = sum(v[0] for v in by_kernel.values())
+        busy_us = _union_us([(k["ts"], k["ts"] + k["dur"]) for k in mine])
+        wall_us = wall_end - start
+        top = sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:top_n]
+        out.append({
+            "step": name,
+            "wall_ms": wall_us / 1e3,
+            "device_busy_ms": busy_us / 1e3,
+            "device_idle_fraction": 1.0 - busy_us / wall_us if wall_us > 0 else None,
+            "kernel_ms": kernel_us / 1e3,
+            "num_kernels": len(mine),
+            "categories": [{"category": c, "ms": us / 1e3, "fraction": us / kernel_us if kernel_us else 0.0}
+                           for c, us in sorted(by_cat.items(), key=lambda kv: -kv[1])],
+            "top_kernels": [{"kernel": n, "ms": us / 1e3, "calls": calls, "category": categorize(n),
+                             "fraction": us / kernel_us if kernel_us else 0.0}
+                            for n, (us, calls) in top],
+        })
+    return out
+
+
+def summarize_cpu_ops(prof, top_n: int = TOP_N) -> list[dict]:
+    """CPU-only runs: operators by self CPU time over all profiled steps."""
+    rows = [(e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages()
+            if not e.key.startswith("ProfilerStep")]
+    total = sum(r[1] for r in rows) or 1.0
+    top = sorted(rows, key=lambda r: -r[1])[:top_n]
+    return [{"step": "all profiled steps (CPU operators, self time)", "self_cpu_ms": total / 1e3,
+             "top_ops": [{"op": k, "ms": us / 1e3, "calls": n, "fraction": us / total} for k, us, n in top]}]
+
+
+def format_summary(summary: list[dict]) -> str:
+    lines = []
+    for s in summary:
+        if "top_ops" in s:
+            lines.append(f"== {s['step']}: {s['self_cpu_ms']:.1f} ms")
+            lines += [f"  {o['ms']:10.2f} ms {100 * o['fraction']:5.1f}% {o['calls']:6d}x  {o['op']}" for o in s["top_ops"]]
+            continue
+        idle = s["device_idle_fraction"]
+        lines.append(f"== {s['step']}: wall {s['wall_ms']:.1f} ms, device busy {s['device_busy_ms']:.1f} ms "
+                     f"(idle {100 * idle:.1f}%), {s['num_kernels']} kernels, kernel time {s['kernel_ms']:.1f} ms")
+        lines.append("  by category:")
+        lines += [f"    {c['ms']:10.2f} ms {100 * c['fraction']:5.1f}%  {c['category']}" for c in s["categories"]]
+        lines.append("  top kernels:")
+        lines += [f"    {k['ms']:10.2f} ms {100 * k['fraction']:5.1f}% {k['calls']:6d}x  [{k['category']}] "
+                  f"{k['kernel'][:140]}" for k in s["top_kernels"]]
+    return "\n".join(lines) + "\n"
+
+
+class StepProfiler:
+    """Wraps the training loop's steps: ``begin(it)`` before a step, ``end(it)`` after it."""
+
+    def __init__(self, logging_cfg, rank: int, is_cuda: bool):
+        self.first = int(logging_cfg.profile_step)
+        self.last = self.first + int(logging_cfg.profile_num_steps) - 1
+        self.enabled = self.first > 0 and rank in list(logging_cfg.profile_ranks)
+        self.dir = Path(logging_cfg.dir) / "profile"
+        self.rank, self.is_cuda = rank, is_cuda
+        self.prof = None
+        self.summary: list[dict] | None = None
+
+    def begin(self, it: int) -> None:
+        if not self.enabled:
+            return
+        if it == self.first:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.is_cuda:
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=activities, record_shapes=False, with_stack=False)
+            self.prof.__enter__()
+        if self.prof is not None and self.first <= it <= self.last:
+            self._step_ctx = torch.profiler.record_function(f"ProfilerStep#{it}")
+            self._step_ctx.__enter__()
+
+    def end(self, it: int) -> None:
+        if self.prof is None or not (self.first <= it <= self.last):
+            return
+        self._step_ctx.__exit__(None, None, None)
+        if it == self.last:
+            self._finish()
+
+    def close(self) -> None:
+        """End an unfinished profile (training stopped inside the window)."""
+        if self.prof is not None:
+            self._finish()
+
+    def _finish(self) -> None:
+        if self.is_cuda:
+            torch.cuda.synchronize()
+        prof, self.prof = self.prof, None
+        prof.__exit__(None, None, None)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        raw = self.dir / f"trace_rank{self.rank}.json"
+        prof.export_chrome_trace(str(raw))
+        events = json.loads(raw.read_text()).get("traceEvents", [])
+        with gzip.open(self.dir / f"trace_rank{self.rank}.json.gz", "wt") as f:
+            json.dump({"traceEvents": events}, f)
+        raw.unlink()
+        has_kernels = any(e.get("cat") in _KERNEL_CATS for e in events)
+        self.summary = summarize_trace(events) if has_kernels else summarize_cpu_ops(prof)
+        (self.dir / f"kernels_rank{self.rank}.json").write_text(json.dumps(self.summary, indent=1))
+        text = format_summary(self.summary)
+        (self.dir / f"kernels_rank{self.rank}.txt").write_text(text)
+        log.info("profile of steps %d-%d written to %s\n%s", self.first, self.last, self.dir, text)

@@ -1,0 +1,91 @@
+"""Step profiler: the trace summary (device busy time, attribution, categories) on a
+hand-built trace with known answers, and a real CPU training run that writes its profile."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from multimodal.config import ConfigError, load_config, validate
+from multimodal.profiling import categorize, format_summary, summarize_trace
+
+
+def _kernel(name, ts, dur, stream=7):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "tid": stream}
+
+
+def _step(n, ts, dur):
+    return {"ph": "X", "cat": "user_annotation", "name": f"ProfilerStep#{n}", "ts": ts, "dur": dur}
+
+
+def test_summary_counts_overlap_once_and_attributes_late_kernels_to_their_step():
+    events = [
+        _step(1, 0, 100),
+        _kernel("sm90_xmma_gemm_bf16", 10, 50),                 # gemm, stream 7
+        _kernel("ncclDevKernel_AllReduce_Sum", 30, 40, 9),     # overlaps the gemm by 30 us
+        _kernel("chunk_gated_delta_rule_fwd_kernel_h", 120, 30),  # runs after step 1's host span
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "ProfilerStep#1", "ts": 0, "dur": 150},  # GPU copy: not a step
+        _step(2, 200, 50),
+        _kernel("vectorized_elementwise_kernel", 210, 10),
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 5, "dur": 3},  # host op: not a kernel
+    ]
+    s1, s2 = summarize_trace(events)
+    assert s1["step"] == "ProfilerStep#1" and s2["step"] == "ProfilerStep#2"
+    assert s1["num_kernels"] == 3 and s2["num_kernels"] == 1
+    assert s1["kernel_ms"] == pytest.approx(0.120)          # 50 + 40 + 30 us
+    assert s1["device_busy_ms"] == pytest.approx(0.090)     # union: [10, 70) + [120, 150)
+    assert s1["wall_ms"] == pytest.approx(0.150)            # until the late kernel ends
+    assert s1["device_idle_fraction"] == pytest.approx(1 - 90 / 150)
+    cats = {c["category"]: c["ms"] for c in s1["categories"]}
+    assert cats == pytest.approx({"gemm": 0.05, "nccl": 0.04, "linear attention (fla/tilelang)": 0.03})
+    assert s1["top_kernels"][0]["kernel"] == "sm90_xmma_gemm_bf16"
+    assert s2["categories"][0]["category"] == "elementwise" and s2["device_idle_fraction"] == pytest.approx(0.8)
+    text = format_summary([s1, s2])
+    assert "idle 40.0%" in text and "[nccl] ncclDevKernel_AllReduce_Sum" in text
+
+
+@pytest.mark.parametrize("name,category", [
+    ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_32x6_tn_align8>", "gemm"),
+    ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT", "gemm"),
+    ("void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<256, 64, 64, 4>>", "attention (flash)"),
+    ("chunk_scaled_dot_kkt_fwd_kernel", "linear attention (fla/tilelang)"),
+    ("_fused_mrope_fwd", "ours: fused triton"),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdam>", "optimizer"),
+    ("Memcpy HtoD (Pinned -> Device)", "memcpy/memset"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>", "elementwise"),
+    ("some_unknown_thing", "other"),
+])
+def test_kernel_categories(name, category):
+    assert categorize(name) == category
+
+
+def test_profile_keys_are_validated():
+    validate(load_config("configs/qwen35_vl_proxy.yaml", ["logging.profile_step=3", "logging.profile_num_steps=2"]))
+    for bad in ("logging.profile_step=-1", "logging.profile_num_steps=0"):
+        with pytest.raises(ConfigError, match="profile"):
+            validate(load_config("configs/qwen35_vl_proxy.yaml", [bad]))
+
+
+@pytest.mark.slow
+def test_cpu_training_run_writes_trace_and_operator_table(tmp_path):
+    from multimodal.training import train
+
+    cfg = load_config("configs/qwen35_vl_proxy.yaml", [
+        "train.iters=3", "train.seq_length=256", "checkpoint.dir=null", f"logging.dir={tmp_path}",
+        "logging.progress_bar=false", "logging.tensorboard=false", "logging.profile_step=2",
+        "logging.profile_num_steps=1",
+    ])
+    result = train(cfg)
+    assert result.last_iteration == 3  # profiling does not stop or skip steps
+    prof = tmp_path / "profile"
+    with gzip.open(prof / "trace_rank0.json.gz", "rt") as f:
+        events = json.load(f)["traceEvents"]
+    steps = {e["name"] for e in events if str(e.get("name", "")).startswith("ProfilerStep#")}
+    assert steps == {"ProfilerStep#2"}  # only the requested step was recorded
+    (summary,) = json.loads((prof / "kernels_rank0.json").read_text())
+    ops = [o["op"] for o in summary["top_ops"]]
+    assert any(op in ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear") for op in ops), ops
+    assert 0 < sum(o["fraction"] for o in summary["top_ops"]) <= 1.0 + 1e-9
+    assert "aten::" in (prof / "kernels_rank0.txt").read_text()
