@@ -180,6 +180,7 @@ class OptimizerConfig:
     warmup_iters: int = 3
     decay_iters: int | None = None  # default: train.iters
     lr_decay_style: str = "cosine"  # cosine | linear | constant
+    fused: bool = True  # torch's fused AdamW kernel (one pass over params and state) instead of foreach
 
 
 @dataclass

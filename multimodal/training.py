@@ -28,7 +28,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from data.loader import MicroBatchIterator, build_dataset
 from data.prefetch import Prefetcher
 from models import get_model_builder
-from multimodal import checkpointing
+from multimodal import checkpointing, multi_tensor
 from multimodal.config import Config, resolve_sources, validate
 from multimodal.flops import device_peak_tflops, training_flops
 from multimodal.forward_step import ForwardStep
@@ -93,7 +93,10 @@ def build_model_and_optimizer(cfg: Config, rt: Runtime, dtype: torch.dtype):
         params_dtype=dtype,
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
     )
+    multi_tensor.install()  # torch _foreach kernels where megatron would loop in Python (no TE/Apex)
     optimizer = get_megatron_optimizer(opt_cfg, [ddp])
+    if o.fused:
+        multi_tensor.use_fused_adam(optimizer)
     decay = o.decay_iters or cfg.train.iters
     scheduler = OptimizerParamScheduler(
         optimizer,

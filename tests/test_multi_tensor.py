@@ -1,0 +1,86 @@
+"""torch _foreach kernels in megatron's multi-tensor hooks, and fused AdamW: same numbers as
+megatron's own Python-loop fallbacks and torch's foreach AdamW."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megatron.core import utils as mutils
+
+from multimodal import multi_tensor
+
+
+def _tensors(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=g) for s in [(7,), (3, 5), (64, 33), (1,)]]
+
+
+def test_l2_norm_matches_megatrons_loop():
+    ts = _tensors()
+    ours, _ = multi_tensor._l2_norm(None, None, [ts], False)
+    ref = torch.linalg.vector_norm(torch.cat([t.flatten() for t in ts]))
+    assert ours.shape == (1,) and torch.allclose(ours[0], ref, rtol=1e-6)
+    loop = mutils.local_multi_tensor_l2_norm  # megatron's fallback creates its result on "cuda"
+    if torch.cuda.is_available():
+        assert torch.allclose(loop(None, None, [ts], False)[0].cpu(), ours, rtol=1e-6)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.25, "tensor"])
+def test_scale_copies_and_scales_like_amp_c(scale):
+    src = _tensors(1)
+    dst = [torch.empty_like(t, dtype=torch.bfloat16) for t in src]  # fp32 main -> bf16 model params
+    s = torch.tensor([0.5]) if scale == "tensor" else scale
+    multi_tensor._scale(None, None, [src, dst], s)
+    factor = 0.5 if scale == "tensor" else scale
+    for a, b in zip(src, dst):
+        assert b.dtype == torch.bfloat16 and torch.equal(b, (a * factor).to(torch.bfloat16))
+    inplace = _tensors(2)
+    before = [t.clone() for t in inplace]
+    multi_tensor._scale(None, None, [inplace, inplace], s)  # clipping: grads scaled in place
+    for a, b in zip(before, inplace):
+        assert torch.equal(b, a * factor)
+
+
+def _train(tmp_path, name, *overrides):
+    from multimodal.config import load_config
+    from multimodal.training import train
+
+    cfg = load_config("configs/qwen35_vl_proxy.yaml", [
+        "train.iters=4", "train.seq_length=256", "checkpoint.dir=null", f"logging.dir={tmp_path / name}",
+        "logging.progress_bar=false", "logging.tensorboard=false", "optimizer.clip_grad=0.05", *overrides])
+    import json
+
+    train(cfg)
+    return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_fused_adam_and_foreach_hooks_train_like_the_foreach_adam(tmp_path):
+    """Same proxy run with torch's fused AdamW and with its foreach AdamW (both with our
+    _foreach norm/clip hooks, which megatron now uses on this machine); a small clip_grad makes
+    clipping act on every step. The two AdamW kernels differ only in fp32 rounding."""
+    from megatron.core.optimizer import clip_grads
+
+    fused = _train(tmp_path, "fused")
+    assert clip_grads.l2_norm_impl is multi_tensor._l2_norm  # installed by the trainer
+    foreach = _train(tmp_path, "foreach", "optimizer.fused=false")
+    assert [r["step"] for r in fused] == [1, 2, 3, 4]
+    assert all(r["grad_norm"] > 0.05 for r in fused)  # clipping was active
+    for a, b in zip(fused, foreach):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6), (a, b)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), (a, b)
+
+
+def test_use_fused_adam_switches_torch_adamw_groups():
+    p = torch.nn.Parameter(torch.randn(4, 4))
+
+    class Wrapped:  # megatron's optimizers keep the torch one as .optimizer
+        optimizer = torch.optim.AdamW([p], lr=1e-3)
+
+    chained = type("Chained", (), {"chained_optimizers": [Wrapped()]})()
+    assert multi_tensor.use_fused_adam(chained) == 1
+    group = Wrapped.optimizer.param_groups[0]
+    assert group["fused"] and not group["foreach"]
+    p.grad = torch.ones_like(p)
+    Wrapped.optimizer.step()  # the fused CPU kernel runs
+    assert multi_tensor.use_fused_adam(chained) == 0  # already fused
