@@ -79,6 +79,13 @@ class MultimodalModel(MegatronModule):
             padding_mask=self._sequence_parallel_mask(padding_mask),
         )
 
+    def build_schedule_plan(self, tokens, position_ids, **kwargs):
+        """What megatron's combined-1F1B schedule runs instead of ``forward`` (parallel.moe_a2a_overlap):
+        the same arguments, returned as a plan of per-layer nodes (models/common/schedule_plan.py)."""
+        from models.common.schedule_plan import MultimodalSchedulePlan  # noqa: PLC0415
+
+        return MultimodalSchedulePlan(self, tokens, position_ids, **kwargs)
+
     def _sequence_parallel_mask(self, padding_mask):
         # megatron scatters the mask itself only when it embeds the tokens; we pass decoder_input
         # (and middle pipeline stages embed nothing), so the mask follows the hidden states here

@@ -151,6 +151,11 @@ class ParallelConfig:
     # images, balanced by patches) and the features are all-gathered; false: every CP rank
     # encodes every image (no collective, duplicated vision compute)
     cp_split_vision: bool = False
+    # MoE: hide the expert-parallel all-to-all (dispatch / combine) behind another micro-batch's
+    # compute with megatron-core's combined 1F1B schedule (models/common/schedule_plan.py). Needs
+    # ep > 1, the alltoall dispatcher, bf16, pp = 1, a GPU, and >= 2 micro-batches per step to
+    # overlap anything (one micro-batch runs, just without overlap).
+    moe_a2a_overlap: bool = False
 
 
 @dataclass
@@ -396,6 +401,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _require(m.gdn_pre_impl in ("auto", "fused", "unfused"),
              f"model.gdn_pre_impl must be auto|fused|unfused, got {m.gdn_pre_impl!r}")
     validate_layout(m, p)
+    if p.moe_a2a_overlap:
+        validate_moe_a2a_overlap(cfg)
     v = m.vision
     _require(v.hidden_size % v.num_heads == 0, "model.vision.hidden_size must be divisible by model.vision.num_heads")
     unit = v.patch_size * v.spatial_merge_size
@@ -436,6 +443,30 @@ def validate_layout(m: ModelConfig, p: ParallelConfig) -> None:
                  "model.moe_token_dispatcher must be alltoall|allgather")
     else:
         _require(p.ep == 1, "parallel.ep > 1 needs an MoE model (model.num_experts > 0)")
+
+
+def validate_moe_a2a_overlap(cfg: Config) -> None:
+    """``parallel.moe_a2a_overlap``: megatron-core asserts these in TransformerConfig.__post_init__
+    (or fails later, deep in the schedule); here each one names our field and the fix."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    why = "parallel.moe_a2a_overlap=true"
+    _require(bool(m.num_experts),
+             f"{why} needs an MoE model (model.num_experts > 0); set parallel.moe_a2a_overlap=false")
+    _require(p.ep > 1, f"{why} hides the expert-parallel all-to-all, which exists only with parallel.ep > 1 "
+                       f"(got {p.ep}); set parallel.ep >= 2 or parallel.moe_a2a_overlap=false")
+    _require(m.moe_token_dispatcher == "alltoall",
+             f"{why} needs model.moe_token_dispatcher=alltoall (got {m.moe_token_dispatcher!r})")
+    # 'auto' is bf16 on a GPU; the model builder refuses it where it resolves to fp32 (no GPU)
+    _require(t.precision != "fp32", f"{why} needs bf16 (megatron supports the overlap for bf16/fp16 models "
+                                    "only); set train.precision=bf16 (or auto on a GPU)")
+    _require(p.pp == 1, f"{why} with pipeline parallelism needs virtual pipeline stages, which this trainer "
+                        f"does not build; set parallel.pp=1 (got {p.pp})")
+    # megatron's own recompute options (full / method / num_layers / 'moe') are not exposed by our
+    # recipe; of ours, the layernorm discard-output hook replays the pre-MLP norm from a hook on
+    # MoELayer.forward, which the split schedule never calls (it calls route/dispatch/... itself)
+    _require("layernorm" not in t.recompute_modules,
+             f"{why} cannot be combined with train.recompute_modules 'layernorm' (the pre-MLP norm "
+             "recompute hooks MoELayer.forward, which the overlapped schedule bypasses); drop 'layernorm'")
 
 
 def resolve_sources(cfg: Config) -> Config:

@@ -75,7 +75,12 @@ class ForwardStep:
         self.cp_split_vision, self.merge = cp_split_vision, merge
         self.batches: list[dict] = []  # host metadata of this step's micro-batches (for FLOPs)
 
-    def __call__(self, data_iterator, model):
+    def __call__(self, data_iterator, model, return_schedule_plan: bool = False):
+        """-> (model output, loss closure). With ``parallel.moe_a2a_overlap`` megatron's combined-1F1B
+        schedule calls this with ``return_schedule_plan=True`` and ``model`` unwrapped down to the
+        module that has ``build_schedule_plan``; the first element is then that plan (it runs the
+        forward later, interleaved with another micro-batch's backward) and megatron applies the
+        same loss closure to the plan's output."""
         batch = next(data_iterator)
         self.batches.append(
             {k: batch[k] for k in ("sample_lengths", "num_real_tokens", "image_grid_thw")}
@@ -84,7 +89,8 @@ class ForwardStep:
             batch = partition_batch(batch, self.cp_size, self.cp_rank, self.image_token_id,
                                     split_vision=self.cp_split_vision, merge=self.merge)
         b = to_device(batch, self.device, self.pixel_dtype, with_pixels=getattr(_unwrap(model), "pre_process", True))
-        output = model(
+        run = model.build_schedule_plan if return_schedule_plan else model
+        output = run(
             b["tokens"],
             b["position_ids"],
             labels=b["labels"],

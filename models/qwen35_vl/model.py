@@ -9,6 +9,7 @@ from megatron.core.transformer import TransformerConfig
 
 from models.base import MultimodalModel
 from models.common.moe_aux_loss import use_group_mean_token_count
+from models.common.moe_nvtx import add_moe_nvtx_ranges
 from models.qwen35_vl import attention as attn_mod
 from models.qwen35_vl import gdn as gdn_mod
 from models.qwen35_vl.mrope import axis_of_frequency, inverse_frequencies, mrope_angles
@@ -71,6 +72,13 @@ class Qwen35LanguageModel(GPTModel):
 
 def transformer_config(cfg, parallel, params_dtype: torch.dtype, deterministic: bool = False) -> TransformerConfig:
     m = cfg
+    overlap = getattr(parallel, "moe_a2a_overlap", False)
+    if overlap and params_dtype != torch.bfloat16:
+        # validate() lets train.precision=auto through; here it has resolved to fp32 (no GPU)
+        from multimodal.config import ConfigError  # noqa: PLC0415
+
+        raise ConfigError(f"parallel.moe_a2a_overlap=true needs bf16 weights, got {params_dtype} "
+                          "(train.precision=auto is fp32 without a GPU); set train.precision=bf16")
     moe = {}
     if m.num_experts:
         moe = dict(
@@ -86,6 +94,8 @@ def transformer_config(cfg, parallel, params_dtype: torch.dtype, deterministic: 
             moe_token_dispatcher_type=m.moe_token_dispatcher,
             moe_grouped_gemm=False,
             moe_router_dtype="fp32",
+            # combined 1F1B: the model then needs build_schedule_plan (MultimodalModel has it)
+            overlap_moe_expert_parallel_comm=overlap,
         )
     return TransformerConfig(
         num_layers=m.num_layers,
@@ -170,6 +180,7 @@ def build(cfg, parallel, params_dtype: torch.dtype, pre_process: bool = True, po
         vision = VisionEncoder(m.vision, out_hidden=m.hidden_size, attn_backend=m.attention_backend)
         vision.fused_rotary = language.fused_mrope
         vision.to(device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu", dtype=params_dtype)
+    add_moe_nvtx_ranges(language)  # GPU only: shared experts / dispatch / experts / combine in a profile
     if parallel.tp > 1:
         # The GDN output norm's weight (one per value-head channel, shared by all heads) is
         # replicated over TP but each rank only sees its own heads, so its gradient is a partial
