@@ -110,13 +110,16 @@ if triton is not None:
         # few configs: each one is compiled per shape (first call), and these are memory bound
         return [triton.Config({"ELEMS": 8192}, num_warps=4), triton.Config({"ELEMS": 4096}, num_warps=4)]
 
-    @triton.autotune(configs=_configs(), key=["H", "D", "HALF", "ZIGZAG", "N_BUCKET"])
-    @triton.jit
+    # Token counts, sample counts and the strides that scale with them change from batch to batch
+    # (the vision encoder's patch count above all). Triton would specialise on each integer's
+    # value being 1 or a multiple of 16 and compile a new variant (and re-run the autotuner) when
+    # that changes mid-training, which cost whole seconds on the 2B recipe: not for these.
+    @triton.autotune(configs=_configs(), key=["H", "D", "HALF", "ZIGZAG"])
+    @triton.jit(do_not_specialize=["n_tok", "S", "n_cu", "cp_size", "cp_rank", "sxb", "sob", "spa", "spb"])
     def _mrope_kernel(
         x_ptr, o_ptr, pos_ptr, inv_ptr, cu_ptr,
         n_tok, S, H, n_cu, cp_size, cp_rank,
         sxb, sxs, sxh, sob, sos, soh, spa, spb, sps,
-        N_BUCKET,
         D: tl.constexpr, HALF: tl.constexpr, SEC0: tl.constexpr, SEC1: tl.constexpr, SEC2: tl.constexpr,
         INTERLEAVED: tl.constexpr, ZIGZAG: tl.constexpr, BACKWARD: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_F: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_CU: tl.constexpr,
@@ -216,7 +219,6 @@ def _launch(x, out, position_ids, inv_freq, mrope_section, interleaved, layout, 
         n_tok, S, H, n_cu, cp_size, cp_rank,
         x4.stride(0), x4.stride(1), x4.stride(2), o4.stride(0), o4.stride(1), o4.stride(2),
         pos.stride(0), pos.stride(1), pos.stride(2),
-        min(n_tok.bit_length(), 16),
         D=D, HALF=half, SEC0=sec[0], SEC1=sec[1], SEC2=sec[2], INTERLEAVED=bool(interleaved), ZIGZAG=zig,
         BACKWARD=backward, BLOCK_H=block_h, BLOCK_F=block_f, BLOCK_P=block_p,
         BLOCK_CU=cu_block(n_cu), BLOCK_D=block_d,

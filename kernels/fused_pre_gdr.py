@@ -85,6 +85,9 @@ def available(qkv: torch.Tensor, weight: torch.Tensor, num_k_heads: int, num_v_h
 # ----------------------------------------------------------------------------- kernels
 
 if triton is not None:
+    # do_not_specialize below: the number of packed samples (n_cu) and, for other recipes, the
+    # row length change from batch to batch; Triton would otherwise compile a new variant (and
+    # re-run the autotuner) whenever one of them becomes 1 or a multiple of 16 mid-training.
 
     def _configs(alternative):
         if interpreting():  # several configs cannot be benchmarked without a GPU; big blocks = fewer
@@ -119,7 +122,7 @@ if triton is not None:
         return tl.where(x > 20.0, x, tl.maximum(x, 0.0) + log1p)
 
     @triton.autotune(configs=_configs((32, 4)), key=["C", "NK", "NV", "K", "V", "VARLEN"])
-    @triton.jit
+    @triton.jit(do_not_specialize=["S", "n_cu", "sxb", "sbb", "sab"])
     def _pre_gdr_fwd(
         x_ptr, w_ptr, b_ptr, a_ptr, alog_ptr, dt_ptr, cu_ptr,
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
@@ -224,7 +227,7 @@ if triton is not None:
         tl.store(prow + 0, tl.sum(a3, axis=0), mask=cmask)
 
     @triton.autotune(configs=_configs((8, 4)), key=["C", "NK", "NV", "K", "V", "VARLEN", "TPP"])
-    @triton.jit
+    @triton.jit(do_not_specialize=["S", "n_cu", "sxb", "sbb", "sab"])
     def _pre_gdr_bwd(
         x_ptr, w_ptr, b_ptr, a_ptr, alog_ptr, dt_ptr, cu_ptr,
         dq_ptr, dk_ptr, dv_ptr, dg_ptr, dbeta_ptr,
@@ -273,7 +276,7 @@ if triton is not None:
             tl.store(ddt_part + (bi * n_pt + pid_t) * NV + hv, tl.sum(acc_dt, axis=0))
 
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["S", "n_cu"])
     def _conv_fold(du_ptr, w_ptr, cu_ptr, dx_ptr, S, n_cu, C: tl.constexpr, VARLEN: tl.constexpr,
                    BLOCK_CU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
         """Phase 2: dx[t] = sum_j w[3-j] du[t+j], taps inside t's sample only (the conv's transpose)."""

@@ -82,11 +82,13 @@ class ModelConfig:
     attention_backend: str = "auto"  # auto | sdpa | varlen
     gdn_backend: str = "auto"  # auto | fla | torch
     # Fused Triton kernels beside PyTorch references (kernels/fused_mrope.py, fused_pre_gdr.py).
-    # null / auto: the PyTorch path (models/qwen35_vl/model.py FUSED_KERNELS_BY_DEFAULT says why).
+    # null / auto: the kernels on GPU, the PyTorch path on CPU (model.py FUSED_KERNELS_BY_DEFAULT).
     # Asked for but unable to run (CPU without TRITON_INTERPRET, unsupported dtype): one warning,
     # then the PyTorch path.
     fused_mrope: bool | None = None
     gdn_pre_impl: str = "auto"  # auto | fused | unfused
+    # RMS norms through torch.compile (fused fwd/bwd kernels, same fp32 math); null = on CUDA only
+    compile_norms: bool | None = None
     # LM loss through kernels/fused_linear_ce.py: chunked logits, never [tokens, vocab] at once
     # (saves ~12 bytes x tokens x vocab/TP; costs one extra LM-head GEMM in backward). On by
     # default on CPU and GPU alike so CPU tests exercise the path the GPU runs; false restores

@@ -102,3 +102,21 @@ def test_packed_and_padded_batches_give_the_same_gradients(mcore):
     for name in grads[0]:
         # fp32 sums in a different order: ~4e-6 on gradients of magnitude ~10 was seen
         torch.testing.assert_close(grads[0][name], grads[1][name], rtol=1e-5, atol=1e-5)
+
+
+def test_image_feature_scatter_equals_masked_scatter_forward_and_backward():
+    """The sync-free scatter (nonzero_static + index_copy) is exactly masked_scatter, both ways."""
+    from models.base import scatter_image_features
+
+    gen = torch.Generator().manual_seed(0)
+    S, B, H = 9, 3, 5
+    emb = torch.randn(S, B, H, generator=gen, requires_grad=True)
+    tokens = torch.zeros(B, S, dtype=torch.long)
+    tokens[0, 2:4] = tokens[1, 8] = tokens[2, 0] = 7  # image tokens at row edges too
+    feats = torch.randn(4, H, generator=gen, requires_grad=True)
+    ours = scatter_image_features(emb, tokens == 7, feats)
+    ref = emb.transpose(0, 1).masked_scatter((tokens == 7).unsqueeze(-1), feats).transpose(0, 1)
+    assert torch.equal(ours, ref)
+    g = torch.randn(ours.shape, generator=gen)
+    for a, b in zip(torch.autograd.grad(ours, [emb, feats], g), torch.autograd.grad(ref, [emb, feats], g)):
+        assert torch.equal(a, b)

@@ -7,13 +7,57 @@ no zero-centred gamma. Qwen3.5 uses two kinds:
   decoder norms and the attention q/k norms.
 - ``GatedRMSNorm``: the GDN output norm, ``w * norm(x) * silu(gate)`` (w starts at 1).
 Both take megatron's norm constructor arguments so layer specs can build them.
+
+Speed: written out in PyTorch, each norm is 6-8 elementwise kernels per direction over the
+activations in fp32; on the 2B recipe that was ~50 ms of a ~0.5 s H200 step (profile in
+docs/benchmarks/README.md). On a GPU the same functions go through ``torch.compile``
+(``model.compile_norms``, default on for CUDA), which fuses each direction into one or two
+Triton kernels with the same fp32 math and casts. The eager functions below stay the
+reference (tests compare the compiled ones against them).
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+log = logging.getLogger(__name__)
+
+# None: compile on CUDA tensors only; True/False: force (set by the model builder from model.compile_norms)
+COMPILE: bool | None = None
+_compiled: dict = {}
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    w = weight.float()
+    y = y * (1.0 + w) if zero_centered else y * w
+    return y.to(x.dtype)
+
+
+def gated_rms_norm_ref(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    in_dtype = x.dtype
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = weight * y.to(in_dtype)
+    y = y * F.silu(gate.float())
+    return y.to(in_dtype)
+
+
+def _impl(fn, x: torch.Tensor):
+    use = x.is_cuda if COMPILE is None else COMPILE
+    if not use:
+        return fn
+    compiled = _compiled.get(fn)
+    if compiled is None:
+        # dynamic: the token count changes every batch; one graph serves all of them
+        compiled = _compiled[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+        log.info("norms: %s runs through torch.compile (model.compile_norms)", fn.__name__)
+    return compiled
 
 
 class RMSNorm(nn.Module):
@@ -31,11 +75,7 @@ class RMSNorm(nn.Module):
             self.weight.sequence_parallel = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        w = self.weight.float()
-        y = y * (1.0 + w) if self.zero_centered else y * w
-        return y.to(x.dtype)
+        return _impl(rms_norm_ref, x)(x, self.weight, self.eps, self.zero_centered)
 
 
 class GatedRMSNorm(nn.Module):
@@ -48,9 +88,4 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        in_dtype = x.dtype
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = self.weight * y.to(in_dtype)
-        y = y * F.silu(gate.float())
-        return y.to(in_dtype)
+        return _impl(gated_rms_norm_ref, x)(x, gate, self.weight, self.eps)

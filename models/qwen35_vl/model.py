@@ -8,6 +8,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 
 from models.base import MultimodalModel
+from models.common import norms
 from models.common.moe_aux_loss import use_group_mean_token_count
 from models.common.moe_nvtx import add_moe_nvtx_ranges
 from models.qwen35_vl import attention as attn_mod
@@ -17,7 +18,7 @@ from models.qwen35_vl.specs import decoder_block_spec
 from models.qwen35_vl.vision import VisionEncoder
 
 
-FUSED_KERNELS_BY_DEFAULT = False  # what model.fused_mrope=null / gdn_pre_impl=auto pick on GPU
+FUSED_KERNELS_BY_DEFAULT = True  # what model.fused_mrope=null / gdn_pre_impl=auto pick on GPU
 
 
 class Qwen35LanguageModel(GPTModel):
@@ -150,11 +151,11 @@ def build(cfg, parallel, params_dtype: torch.dtype, pre_process: bool = True, po
     if m.num_experts:
         use_group_mean_token_count()  # aux-loss scaling that does not depend on the CP/SP split
     attn_mod.CoreAttention.backend = m.attention_backend
+    norms.COMPILE = m.compile_norms
     gdn_mod.Qwen35GatedDeltaNet.gdn_backend_request = m.gdn_backend
-    # auto: the PyTorch path for now, on GPU too. Each fused kernel is 5-7x its unfused chain in
-    # isolation, but the 2B recipe measured slower end to end with both on (0.84 vs 0.73 s/step on
-    # an H200, docs/benchmarks/README.md) and the cause is not profiled yet; opt in with
-    # model.fused_mrope=true / model.gdn_pre_impl=fused.
+    # auto: the fused Triton kernels on GPU, the PyTorch path on CPU. (They were opt-in while the
+    # 2B step was slower with them; the profile showed recompiles for new batch shapes, fixed with
+    # do_not_specialize, docs/benchmarks/README.md.)
     gpu = torch.cuda.is_available() and FUSED_KERNELS_BY_DEFAULT
     gdn_mod.Qwen35GatedDeltaNet.gdn_pre_impl = ("fused" if gpu else "unfused") if m.gdn_pre_impl == "auto" \
         else m.gdn_pre_impl

@@ -1,0 +1,57 @@
+"""The RMS norms' compiled path (model.compile_norms, on by default on GPU) against their eager
+PyTorch references: forward and every input/weight gradient, fp32 and bf16, two token counts
+through one dynamic graph (the count changes every batch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.common import norms
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    monkeypatch.setattr(norms, "COMPILE", True)
+    monkeypatch.setattr(norms, "_compiled", {})
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _grads(fn, inputs):
+    inputs = [t.detach().clone().requires_grad_(True) for t in inputs]
+    out = fn(*inputs)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out.dtype)
+    out.backward(g)
+    return out.detach(), [t.grad for t in inputs]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_compiled_norms_match_the_eager_reference(compiled, dtype, tol):
+    gen = torch.Generator().manual_seed(0)
+    for tokens in (37, 100):  # second count reuses the dynamic graph
+        x = torch.randn(tokens, 2, 64, generator=gen).to(dtype)
+        gate = torch.randn(tokens, 2, 64, generator=gen).to(dtype)
+        w = (0.1 * torch.randn(64, generator=gen)).to(dtype)
+        for zero_centered in (True, False):
+            m = norms.RMSNorm(hidden_size=64, zero_centered=zero_centered).to(dtype)
+            m.weight.data.copy_(w)
+            ref_out, ref_g = _grads(lambda a, b: norms.rms_norm_ref(a, b, m.eps, zero_centered), [x, w])
+            out, got = _grads(lambda a, b: norms._impl(norms.rms_norm_ref, a)(a, b, m.eps, zero_centered), [x, w])
+            assert out.dtype == dtype
+            torch.testing.assert_close(out, ref_out, rtol=tol, atol=tol)
+            for a, b in zip(got, ref_g):
+                torch.testing.assert_close(a, b, rtol=tol, atol=tol * max(1.0, float(b.abs().max())))
+        ref_out, ref_g = _grads(lambda a, b, c: norms.gated_rms_norm_ref(a, b, c, 1e-6), [x, gate, w])
+        out, got = _grads(lambda a, b, c: norms._impl(norms.gated_rms_norm_ref, a)(a, b, c, 1e-6), [x, gate, w])
+        torch.testing.assert_close(out, ref_out, rtol=tol, atol=tol)
+        for a, b in zip(got, ref_g):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol * max(1.0, float(b.abs().max())))
+    assert set(norms._compiled) == {norms.rms_norm_ref, norms.gated_rms_norm_ref}
+
+
+def test_cpu_default_is_eager():
+    x = torch.randn(3, 8)
+    assert norms.COMPILE is None and norms._impl(norms.rms_norm_ref, x) is norms.rms_norm_ref
