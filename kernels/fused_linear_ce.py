@@ -39,9 +39,29 @@ reduce-scatter), exactly as for megatron's ColumnParallelLinear output layer.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from kernels import ce_triton
+
+log = logging.getLogger(__name__)
+_warned = False
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    """The one-pass Triton kernels (kernels/ce_triton.py) on GPU; PyTorch elsewhere. A GPU without
+    Triton falls back with one warning."""
+    global _warned
+    if ce_triton.available(x):
+        return True
+    if x.is_cuda and not _warned:
+        _warned = True
+        log.warning("fused linear CE: Triton is unavailable, the loss path uses PyTorch ops (several "
+                    "passes over the logits instead of one)")
+    return False
 
 # Elements of one fp32 logits chunk (the working set is ~8 bytes per element with the
 # bf16 GEMM output and the bf16 copy of the gradient): 2**27 -> ~1 GiB peak per chunk.
@@ -66,11 +86,16 @@ class _FusedLinearCE(torch.autograd.Function):
         lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         target = torch.empty(n, dtype=torch.float32, device=hidden.device)
         step = _chunk(n, vocab_local, token_chunk, DEFAULT_CHUNK_ELEMENTS)
+        kernel = _use_triton(hidden)
         for s in range(0, n, step):
             e = min(s + step, n)
-            logits = (hidden[s:e] @ weight.t()).float()
-            target[s:e] = logits.gather(1, safe[s:e, None]).squeeze(1)
-            lse[s:e] = torch.logsumexp(logits, dim=-1)
+            logits = hidden[s:e] @ weight.t()  # the GEMM's output dtype, as the output layer's
+            if kernel:
+                ce_triton.row_lse_and_target(logits, safe[s:e], lse[s:e], target[s:e])
+            else:
+                logits = logits.float()
+                target[s:e] = logits.gather(1, safe[s:e, None]).squeeze(1)
+                lse[s:e] = torch.logsumexp(logits, dim=-1)
             del logits
         target.mul_(in_shard)
         if group is not None and dist.get_world_size(group) > 1:
@@ -95,21 +120,25 @@ class _FusedLinearCE(torch.autograd.Function):
             return (None,) * 8
         n, vocab_local = hidden.shape[0], weight.shape[0]
         g = (grad_loss.float() * keep)[:, None]
+        kernel = _use_triton(hidden)
         grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
         grad_w = torch.empty_like(weight) if need_w else None
         step = _chunk(vocab_local, n, ctx.vocab_chunk, DEFAULT_CHUNK_ELEMENTS)
         for v0 in range(0, vocab_local, step):
             v1 = min(v0 + step, vocab_local)
             w = weight[v0:v1]
-            p = (hidden @ w.t()).float()
-            p.sub_(lse[:, None]).exp_()
-            # subtract the one-hot of labels inside this slice with a scatter, free of host
-            # syncs (no nonzero()): rows whose label lies elsewhere subtract 0
             hit = in_shard & (safe >= v0) & (safe < v1)
-            col = (safe - v0).clamp_(0, v1 - v0 - 1)
-            p.scatter_add_(1, col[:, None], -hit.to(p.dtype)[:, None])
-            p.mul_(g)
-            p = p.to(weight.dtype)
+            if kernel:  # one pass, in place on the GEMM output; col -1: label in another slice
+                p = ce_triton.softmax_grad_(hidden @ w.t(), lse, g[:, 0], torch.where(hit, safe - v0, -1))
+            else:
+                p = (hidden @ w.t()).float()
+                p.sub_(lse[:, None]).exp_()
+                # subtract the one-hot of labels inside this slice with a scatter, free of host
+                # syncs (no nonzero()): rows whose label lies elsewhere subtract 0
+                col = (safe - v0).clamp_(0, v1 - v0 - 1)
+                p.scatter_add_(1, col[:, None], -hit.to(p.dtype)[:, None])
+                p.mul_(g)
+                p = p.to(weight.dtype)
             if need_w:
                 torch.mm(p.t(), hidden, out=grad_w[v0:v1])
             if need_h:

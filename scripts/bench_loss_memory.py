@@ -39,6 +39,15 @@ def _paths():
     def fused(h, w, y):
         return fused_linear_cross_entropy(h, w, y)
 
+    def fused_torch_elementwise(h, w, y):  # the same chunked loss without kernels/ce_triton.py
+        from kernels import fused_linear_ce as flce
+
+        saved, flce._use_triton = flce._use_triton, (lambda x: False)
+        try:
+            return fused_linear_cross_entropy(h, w, y)
+        finally:
+            flce._use_triton = saved
+
     def unfused(h, w, y):
         logits = (h @ w.t())[:, None]  # [S, B=1, V] as megatron's output layer returns
         return tensor_parallel.vocab_parallel_cross_entropy(logits, y[:, None])[:, 0]
@@ -46,7 +55,7 @@ def _paths():
     def plain(h, w, y):
         return F.cross_entropy((h @ w.t()).float(), y, reduction="none")
 
-    return {"fused": fused, "unfused": unfused, "plain": plain}
+    return {"fused": fused, "fused_torch_elementwise": fused_torch_elementwise, "unfused": unfused, "plain": plain}
 
 
 def measure(fn, n: int, hidden: int, vocab: int, dtype, device, seed: int = 0) -> dict:
@@ -106,7 +115,7 @@ def main(argv=None) -> dict:
               "dtype": str(dtype).replace("torch.", ""), "vocab": args.vocab, "hidden": args.hidden, "seqs": {}}
     for n in args.seqs:
         results = {}
-        for name in ("fused", "unfused", "plain"):
+        for name in ("fused", "fused_torch_elementwise", "unfused", "plain"):
             for _ in range(max(args.repeat, 1)):
                 results[name] = measure(paths[name], n, args.hidden, args.vocab, dtype, device)
                 if "error" in results[name]:
@@ -133,13 +142,13 @@ def main(argv=None) -> dict:
 
 def _print(n: int, row: dict) -> None:
     print(f"seq {n}:")
-    for name in ("fused", "unfused", "plain"):
+    for name in ("fused", "fused_torch_elementwise", "unfused", "plain"):
         r = row[name]
         if "error" in r:
-            print(f"  {name:8s} {r['error']}")
+            print(f"  {name:24s} {r['error']}")
             continue
         peak = "n/a (CPU)" if r["peak_gib"] is None else f"{r['peak_gib']:.2f} GiB"
-        print(f"  {name:8s} peak {peak:>12s}  time {r['time_ms']:9.1f} ms  "
+        print(f"  {name:24s} peak {peak:>12s}  time {r['time_ms']:9.1f} ms  "
               f"max |diff| vs plain: loss {r.get('max_abs_diff_loss_vs_plain', float('nan')):.2e} "
               f"dh {r.get('max_abs_diff_grad_h_vs_plain', float('nan')):.2e} "
               f"dW {r.get('max_abs_diff_grad_w_vs_plain', float('nan')):.2e}")
