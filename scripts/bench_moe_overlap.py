@@ -6,7 +6,8 @@
 Runs ``multimodal.training.train`` once per mode in this process (``parallel.moe_a2a_overlap``
 false, then true): every run seeds the same init, reads the same micro-batches, and logs per
 step to its own metrics.jsonl. Reported per mode from the timed steps (after the warm-up):
-step time, tokens/s (real tokens of the global batch), peak memory, the losses of every step,
+step time, tokens/s (real tokens of the global batch), peak memory, the logged losses (one per
+logging window of gcd(warmup, steps) steps: every step with --warmup 1),
 and the number of micro-batches that went through the schedule plan (0 with the overlap off);
 then the speedup (off step time / on step time) and the largest loss difference.
 
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "warmup": args.warmup, "steps": args.steps}
     for i, mode in enumerate(modes):
         key = mode if mode not in modes[:i] else f"{mode}_{modes[:i].count(mode) + 1}"
-        cfg = resolve_sources(load_config(args.config, [*defaults, *user, *forced, f"logging.dir={out_dir / mode}",
+        cfg = resolve_sources(load_config(args.config, [*defaults, *user, *forced, f"logging.dir={out_dir / key}",
                                                         f"parallel.moe_a2a_overlap={mode == 'on'}"]))
         validate(cfg, world)
         t = cfg.train
