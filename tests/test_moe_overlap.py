@@ -153,11 +153,18 @@ def test_plan_has_megatron_nodes_per_layer(streams):
     assert plan.state.decoder_input is None  # filled by the pre-process node (vision runs then)
 
 
-def test_plan_matches_plain_forward_and_backward(streams):
+@pytest.mark.parametrize("recompute", [[], ["shared_experts", "gdn_qkv", "gdn_norm_out", "core_attn"]],
+                         ids=["plain", "recompute"])
+def test_plan_matches_plain_forward_and_backward(streams, recompute):
     """fp32, one process: per-token losses, the loss and every gradient (vision encoder, embedding,
     GDN, attention, router, shared and routed experts, output layer) equal the plain forward's,
-    with packing, padding (kept out of routing) and images in the micro-batch."""
+    with packing, padding (kept out of routing) and images in the micro-batch; also with the
+    selective recompute modules that validation allows next to the overlap."""
     cfg, model, batch = _model_and_batch()
+    if recompute:
+        from multimodal.recompute import apply_recompute
+
+        assert apply_recompute(model, recompute) > 0
     out_ref, loss_ref, grads_ref = _step(model, batch, cfg, plan=False)
     out, loss, grads = _step(model, batch, cfg, plan=True)
     torch.testing.assert_close(out, out_ref, rtol=0, atol=0)  # same ops in the same order
