@@ -10,6 +10,7 @@ reproduces exactly the batches an uninterrupted run would have produced.
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 
 import torch
@@ -39,9 +40,17 @@ def build_dataset(model_cfg, data_cfg, seq_length: int):
 def load_tokenizer(data_cfg):
     if not data_cfg.tokenizer:
         raise ValueError(f"data.name={data_cfg.name} needs data.tokenizer (a tokenizer directory)")
+    return _tokenizer(str(data_cfg.tokenizer))
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(path: str):
+    """One load per directory per process: start-up reads the special-token ids from it and the
+    dataset then encodes with it (it was loaded two or three times, seconds each for a real one).
+    Only read afterwards, never modified."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(data_cfg.tokenizer)
+    return AutoTokenizer.from_pretrained(path)
 
 
 class _IndexedRows(torch.utils.data.Dataset):

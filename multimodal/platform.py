@@ -36,6 +36,9 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 CPU_PATCHES: list[str] = []
+# True only where a test has replaced the CUDA streams and events of megatron's overlapped MoE
+# schedule with CPU stand-ins (tests/test_moe_overlap.py); real CPU runs refuse the overlap.
+CPU_STREAM_STAND_INS = False
 
 # megatron modules on the training path that allocate small tensors with device="cuda".
 _MODULES_ALLOCATING_ON_CUDA = (

@@ -28,8 +28,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from data.loader import MicroBatchIterator, build_dataset
 from data.prefetch import Prefetcher
 from models import get_model_builder
-from multimodal import checkpointing, multi_tensor
-from multimodal.config import Config, resolve_sources, validate
+from multimodal import checkpointing, multi_tensor, platform
+from multimodal.config import Config, ConfigError, resolve_sources, validate
 from multimodal.flops import device_peak_tflops, training_flops
 from multimodal.forward_step import ForwardStep
 from multimodal.loss import masked_token_loss
@@ -189,6 +189,9 @@ def checkpoint_meta(cfg: Config) -> dict[str, str]:
 
 def train(cfg: Config) -> TrainResult:
     rt = init_distributed()
+    if cfg.parallel.moe_a2a_overlap and not rt.is_cuda and not platform.CPU_STREAM_STAND_INS:
+        raise ConfigError("parallel.moe_a2a_overlap=true needs GPUs: megatron-core runs the overlapped "
+                          "all-to-alls on their own CUDA streams; set parallel.moe_a2a_overlap=false here")
     resolve_sources(cfg)
     validate(cfg, rt.world_size)
     p = cfg.parallel

@@ -69,6 +69,9 @@ def cpu_stream_stand_ins(setattr_=setattr) -> None:
         cuda = Cuda()
 
     apply_cpu_patches()
+    from multimodal import platform
+
+    setattr_(platform, "CPU_STREAM_STAND_INS", True)  # tells the trainer the streams are stubbed
     for name in STREAM_MODULES:
         setattr_(importlib.import_module(name), "torch", Torch())
     setattr_(torch.Tensor, "record_stream", lambda self, stream: None)
@@ -329,3 +332,16 @@ def test_overlap_on_matches_off_ep2(tmp_path):
 
 if __name__ == "__main__":  # torchrun worker: tests/test_moe_overlap.py OUT_DIR key=value ...
     _worker(Path(sys.argv[1]), sys.argv[2:])
+
+
+def test_cpu_run_refuses_the_overlap_with_the_fix(mcore):
+    """Without a GPU (and without the test's stream stand-ins) the trainer stops at start-up
+    with a message, not inside megatron's schedule."""
+    from multimodal.config import ConfigError, load_config
+    from multimodal.training import train
+
+    cfg = load_config(MOE, ["parallel.moe_a2a_overlap=true", "parallel.ep=2", "train.precision=bf16"])
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ConfigError, match="needs GPUs"):
+        train(cfg)

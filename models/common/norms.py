@@ -32,7 +32,11 @@ _compiled: dict = {}
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
-    xf = x.float()
+    # .view: x enters the norm through one autograd node, so the norm's two uses of it are summed
+    # before they meet the residual's gradient. (On fp32, .float() is x itself, and the engine
+    # would add the three contributions in arrival order, which the discard-output recompute of
+    # this norm cannot reproduce bit for bit.)
+    xf = x.float().view(x.shape)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     w = weight.float()
     y = y * (1.0 + w) if zero_centered else y * w

@@ -144,6 +144,16 @@ def transformer_config(cfg, parallel, params_dtype: torch.dtype, deterministic: 
     )
 
 
+def _enter_through_one_node(module: torch.nn.Module) -> None:
+    """The shared expert reads its input twice (fc1 and the sigmoid gate) beside the router and
+    the routed experts. Passing the input through one view node sums the shared expert's two
+    input gradients before they meet the others, in every run; then its selective recompute
+    (``train.recompute_modules: [shared_experts]``), which returns them already summed, gives
+    the same bits as the run without it. A view costs nothing."""
+    forward = module.forward
+    module.forward = lambda hidden_states, *a, **k: forward(hidden_states.view(hidden_states.shape), *a, **k)
+
+
 def build(cfg, parallel, params_dtype: torch.dtype, pre_process: bool = True, post_process: bool = True,
           deterministic: bool = False) -> MultimodalModel:
     m = cfg
@@ -182,6 +192,9 @@ def build(cfg, parallel, params_dtype: torch.dtype, pre_process: bool = True, po
         vision.fused_rotary = language.fused_mrope
         vision.to(device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu", dtype=params_dtype)
     add_moe_nvtx_ranges(language)  # GPU only: shared experts / dispatch / experts / combine in a profile
+    for module in language.modules():
+        if type(module).__name__ == "SharedExpertMLP":
+            _enter_through_one_node(module)
     if parallel.tp > 1:
         # The GDN output norm's weight (one per value-head channel, shared by all heads) is
         # replicated over TP but each rank only sees its own heads, so its gradient is a partial
