@@ -70,10 +70,13 @@ class Layout:
     sequence_parallel: bool
     distributed_optimizer: bool
     num_microbatches: int
+    moe_a2a_overlap: bool = False
 
     def in_flight(self, stage: int) -> int:
-        """Micro-batches whose activations a 1F1B stage holds at its peak (pp - stage, capped)."""
-        return min(self.pp - stage, self.num_microbatches)
+        """Micro-batches whose activations a 1F1B stage holds at its peak (pp - stage, capped). The
+        MoE all-to-all overlap runs micro-batch i+1's forward beside i's backward: one more."""
+        extra = 1 if self.moe_a2a_overlap else 0
+        return min(self.pp - stage + extra, self.num_microbatches)
 
 
 def default_world_size(cfg: Config) -> int:
@@ -170,7 +173,7 @@ def check_layout(cfg: Config, world_size: int) -> tuple[Layout, list[str]]:
     if p.use_distributed_optimizer and dp * p.cp == 1 and edp <= 1:
         notes.append("parallel.use_distributed_optimizer with one data-parallel rank shards nothing")
     layout = Layout(world_size, p.tp, p.pp, p.cp, p.ep, dp, etp, edp, bool(p.sequence_parallel and p.tp > 1),
-                    p.use_distributed_optimizer, mb)
+                    p.use_distributed_optimizer, mb, bool(p.moe_a2a_overlap))
     return layout, notes
 
 
