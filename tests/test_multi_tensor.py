@@ -42,33 +42,35 @@ def test_scale_copies_and_scales_like_amp_c(scale):
 
 
 def _train(tmp_path, name, *overrides):
-    from multimodal.config import load_config
-    from multimodal.training import train
+    from test_training import _train as run  # the entry point in a subprocess, like the other training tests
 
-    cfg = load_config("configs/qwen35_vl_proxy.yaml", [
-        "train.iters=4", "train.seq_length=256", "checkpoint.dir=null", f"logging.dir={tmp_path / name}",
-        "logging.progress_bar=false", "logging.tensorboard=false", "optimizer.clip_grad=0.05", *overrides])
-    import json
-
-    train(cfg)
-    return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    rows = run(tmp_path / name, "train.iters=4", "train.seq_length=256", "checkpoint.dir=null",
+               "logging.tensorboard=false", "optimizer.clip_grad=0.05", *overrides)
+    return [rows[k] for k in sorted(rows)]
 
 
 @pytest.mark.slow
 def test_fused_adam_and_foreach_hooks_train_like_the_foreach_adam(tmp_path):
     """Same proxy run with torch's fused AdamW and with its foreach AdamW (both with our
-    _foreach norm/clip hooks, which megatron now uses on this machine); a small clip_grad makes
-    clipping act on every step. The two AdamW kernels differ only in fp32 rounding."""
-    from megatron.core.optimizer import clip_grads
-
+    _foreach norm/clip hooks, which the trainer installs on this machine: megatron has no
+    TE/Apex here); a small clip_grad makes clipping act on every step. The two AdamW kernels
+    differ only in fp32 rounding."""
     fused = _train(tmp_path, "fused")
-    assert clip_grads.l2_norm_impl is multi_tensor._l2_norm  # installed by the trainer
     foreach = _train(tmp_path, "foreach", "optimizer.fused=false")
     assert [r["step"] for r in fused] == [1, 2, 3, 4]
     assert all(r["grad_norm"] > 0.05 for r in fused)  # clipping was active
     for a, b in zip(fused, foreach):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6), (a, b)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), (a, b)
+
+
+def test_install_fills_megatrons_hooks_once():
+    from megatron.core.optimizer import clip_grads
+
+    multi_tensor.install()
+    assert clip_grads.l2_norm_impl is multi_tensor._l2_norm
+    assert clip_grads.multi_tensor_scale_tensor_impl is multi_tensor._scale  # grad norm stays a tensor
+    assert multi_tensor.install() is True  # idempotent
 
 
 def test_use_fused_adam_switches_torch_adamw_groups():
