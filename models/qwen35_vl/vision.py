@@ -86,10 +86,14 @@ class VisionBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, angles: torch.Tensor, geo: VisionGeometry) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv(self.norm1(x)).view(n, 3, self.heads, self.head_dim).unbind(1)
+        qkv = self.qkv(self.norm1(x)).view(n, 3, self.heads, self.head_dim)
+        q, k, v = qkv.unbind(1)
         if isinstance(angles, tuple):  # fused: (position ids [3, N], inv_freq, section), see the encoder
             pos, inv, section = angles
-            q, k = (fused_mrope.fused_mrope(t, pos, inv, section, False, "thd") for t in (q, k))
+            # q and k side by side are one strided [N, 2*heads, D] view: one launch, no copy
+            qk = fused_mrope.fused_mrope(qkv[:, :2].reshape(n, 2 * self.heads, self.head_dim), pos, inv, section,
+                                         False, "thd")
+            q, k = qk[:, :self.heads], qk[:, self.heads:]
         else:  # the reference rotates in fp32 and casts back
             q = apply_rotary(q.float(), angles).to(v.dtype)
             k = apply_rotary(k.float(), angles).to(v.dtype)
