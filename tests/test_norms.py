@@ -50,8 +50,26 @@ def test_compiled_norms_match_the_eager_reference(compiled, dtype, tol):
         for a, b in zip(got, ref_g):
             torch.testing.assert_close(a, b, rtol=tol, atol=tol * max(1.0, float(b.abs().max())))
     assert set(norms._compiled) == {norms.rms_norm_ref, norms.gated_rms_norm_ref}
+    assert all(c.compiled is not c.fn for c in norms._compiled.values())  # compiled, no fallback
 
 
 def test_cpu_default_is_eager():
     x = torch.randn(3, 8)
     assert norms.COMPILE is None and norms._impl(norms.rms_norm_ref, x) is norms.rms_norm_ref
+
+
+def test_failed_compile_falls_back_to_eager_once_with_a_warning(monkeypatch, caplog):
+    def broken_compile(fn, **kw):
+        def run(*a):
+            raise torch._dynamo.exc.BackendCompilerFailed(lambda *x: None, RuntimeError("no triton"), None)
+        return run
+
+    monkeypatch.setattr(norms, "COMPILE", True)
+    monkeypatch.setattr(norms, "_compiled", {})
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    x, w = torch.randn(5, 8), torch.zeros(8)
+    with caplog.at_level("WARNING", logger="models.common.norms"):
+        for _ in range(3):
+            out = norms._impl(norms.rms_norm_ref, x)(x, w, 1e-6, True)
+    assert torch.equal(out, norms.rms_norm_ref(x, w, 1e-6, True))
+    assert sum("torch.compile of rms_norm_ref failed" in r.message for r in caplog.records) == 1

@@ -58,10 +58,36 @@ def _impl(fn, x: torch.Tensor):
         return fn
     compiled = _compiled.get(fn)
     if compiled is None:
-        # dynamic: the token count changes every batch; one graph serves all of them
-        compiled = _compiled[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+        compiled = _compiled[fn] = _FirstCallFallback(fn)
         log.info("norms: %s runs through torch.compile (model.compile_norms)", fn.__name__)
     return compiled
+
+
+class _FirstCallFallback:
+    """``torch.compile(fn)`` whose compilation happens on the first call; if that fails (no
+    Triton for Inductor, an unsupported platform), say so once and run the eager function from
+    then on, rather than stopping the run. Later errors are real errors and propagate."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        # dynamic: the token count changes every batch; one graph serves all of them
+        self.compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+        self.checked = False
+
+    def __call__(self, *args):
+        if self.checked:
+            return self.compiled(*args)
+        try:
+            out = self.compiled(*args)
+        except (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.TritonUnavailableError,
+                torch._dynamo.exc.InternalTorchDynamoError) as e:
+            log.warning("norms: torch.compile of %s failed (%s: %s); using the eager PyTorch norm "
+                        "(set model.compile_norms=false to skip the attempt)", self.fn.__name__,
+                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            self.compiled = self.fn
+            out = self.fn(*args)
+        self.checked = True
+        return out
 
 
 class RMSNorm(nn.Module):
