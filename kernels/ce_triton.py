@@ -11,8 +11,9 @@ H200 step. Here each direction is one pass:
   max and rescaled sum (online logsumexp) in fp32, and reads the target logit;
 - ``softmax_grad_``: rewrites the logits chunk in place with ``g * (exp(x - lse) - onehot)``.
 
-Same fp32 math as the PyTorch path (``fused_linear_ce._torch_*``), which stays the reference
-and the fallback (tests compare both under the Triton interpreter). Token and vocabulary
+Same fp32 math as the PyTorch ops in ``fused_linear_ce`` they replace, which stay the
+reference and the fallback (tests compare both under the Triton interpreter); whether these
+kernels can run is ``triton_support.unavailable_reason``, as for the other fused kernels. Token and vocabulary
 counts are not specialised on: chunk shapes change with the batch.
 """
 
@@ -60,11 +61,6 @@ if triton is not None:
         x = tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
         p = tl.exp(x - tl.load(lse_ptr + row)) - (cols == tl.load(col_ptr + row)).to(tl.float32)
         tl.store(ptr, (p * tl.load(g_ptr + row)).to(x_ptr.dtype.element_ty), mask=mask)
-
-
-def available(x: torch.Tensor) -> bool:
-    return triton is not None and (x.is_cuda or interpreting()) and x.dtype in (
-        torch.bfloat16, torch.float16, torch.float32)
 
 
 def row_lse_and_target(logits: torch.Tensor, col: torch.Tensor, lse_out: torch.Tensor,

@@ -39,6 +39,7 @@ reduce-scatter), exactly as for megatron's ColumnParallelLinear output layer.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -46,22 +47,23 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from kernels import ce_triton
-
-log = logging.getLogger(__name__)
-_warned = False
+from kernels.triton_support import unavailable_reason
 
 
 def _use_triton(x: torch.Tensor) -> bool:
-    """The one-pass Triton kernels (kernels/ce_triton.py) on GPU; PyTorch elsewhere. A GPU without
-    Triton falls back with one warning."""
-    global _warned
-    if ce_triton.available(x):
-        return True
-    if x.is_cuda and not _warned:
-        _warned = True
-        log.warning("fused linear CE: Triton is unavailable, the loss path uses PyTorch ops (several "
-                    "passes over the logits instead of one)")
-    return False
+    """The one-pass Triton kernels (kernels/ce_triton.py) on GPU; PyTorch elsewhere. A GPU tensor
+    they cannot take falls back with one warning per reason."""
+    reason = unavailable_reason(x)
+    if reason is not None and x.is_cuda:
+        _warn_fallback(reason)
+    return reason is None
+
+
+@functools.cache
+def _warn_fallback(reason: str) -> None:
+    logging.getLogger(__name__).warning(
+        "fused linear CE: the one-pass Triton kernels cannot run (%s); the loss path uses PyTorch ops "
+        "(several passes over the logits instead of one)", reason)
 
 # Elements of one fp32 logits chunk (the working set is ~8 bytes per element with the
 # bf16 GEMM output and the bf16 copy of the gradient): 2**27 -> ~1 GiB peak per chunk.

@@ -95,16 +95,18 @@ def use_fused_adam(optimizer) -> int:
     group that cannot be fused stays on foreach, with one warning saying why."""
     switched = 0
     for opt in torch_adam_optimizers(optimizer):
+        mine = 0
         for group in opt.param_groups:
             if group.get("fused"):
                 continue
-            bad = [p for p in group["params"] if not (p.is_floating_point() and p.device.type in ("cuda", "cpu"))]
+            bad = any(not (p.is_floating_point() and p.device.type in ("cuda", "cpu")) for p in group["params"])
             if bad or group.get("capturable") or group.get("differentiable"):
-                log.warning("optimizer: %d parameter group(s) stay on torch's foreach AdamW (fused needs "
-                            "floating-point CUDA/CPU params, not capturable/differentiable)", 1)
+                log.warning("optimizer: a parameter group stays on torch's foreach AdamW (fused needs "
+                            "floating-point CUDA/CPU params, not capturable/differentiable)")
                 continue
             group["fused"], group["foreach"] = True, False
-            switched += 1
-        if switched:
+            mine += 1
+        if mine:  # groups added later (none in megatron) follow this optimizer's choice
             opt.defaults["fused"], opt.defaults["foreach"] = True, False
+        switched += mine
     return switched

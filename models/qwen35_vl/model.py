@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
 from models.base import MultimodalModel
 from models.common import norms
@@ -193,7 +194,7 @@ def build(cfg, parallel, params_dtype: torch.dtype, pre_process: bool = True, po
         vision.to(device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu", dtype=params_dtype)
     add_moe_nvtx_ranges(language)  # GPU only: shared experts / dispatch / experts / combine in a profile
     for module in language.modules():
-        if type(module).__name__ == "SharedExpertMLP":
+        if isinstance(module, SharedExpertMLP):
             _enter_through_one_node(module)
     if parallel.tp > 1:
         # The GDN output norm's weight (one per value-head channel, shared by all heads) is
