@@ -16,9 +16,12 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from models.common.transfer import to_device_async
 
 log = logging.getLogger(__name__)
 
@@ -110,21 +113,65 @@ def chunk_gated_delta_rule_ref(q, k, v, g, beta, cu_seqlens=None, chunk_size: in
     return torch.cat(outs, dim=1)
 
 
-def causal_conv1d_silu(x, weight, cu_seqlens, backend: str):
+# fla's chunk_gated_delta_rule splits every sample into chunks of this many tokens (its default)
+FLA_CHUNK_SIZE = 64
+
+
+def chunk_indices_host(cu_seqlens: torch.Tensor, chunk_size: int = FLA_CHUNK_SIZE) -> torch.Tensor:
+    """[num_chunks, 2] int64: (sample, chunk within the sample) for every ``chunk_size``-token chunk
+    of a packed row, from host-side ``cu_seqlens``; the table fla's varlen kernels walk.
+
+    fla builds it itself on every call from the device ``cu_seqlens`` (about fifteen small
+    kernels and a host sync in ``repeat_interleave``, per GDN layer and micro-batch); the
+    trainer builds it here once per micro-batch on the host instead (see ``GDNVarlen``).
+    """
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.long)
+    counts = (lens + chunk_size - 1) // chunk_size
+    sample = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    first_chunk = torch.cumsum(counts, 0) - counts
+    return torch.stack([sample, torch.arange(sample.numel()) - first_chunk[sample]], 1)
+
+
+@dataclass
+class GDNVarlen:
+    """A packed micro-batch's varlen metadata for fla, on the device, shared by every GDN layer:
+    ``cu_seqlens`` as int64 (one tensor object, so fla's per-tensor caches hit after the first
+    layer) and ``chunk_indices`` from ``chunk_indices_host``."""
+
+    cu_seqlens: torch.Tensor
+    chunk_indices: torch.Tensor
+
+    @classmethod
+    def from_host(cls, cu_seqlens: torch.Tensor, device) -> "GDNVarlen":
+        return cls(to_device_async(cu_seqlens.to(torch.long), device),
+                   to_device_async(chunk_indices_host(cu_seqlens), device))
+
+
+def _fla_varlen(cu_seqlens: torch.Tensor | None, varlen: GDNVarlen | None):
+    """(cu_seqlens, chunk_indices) for fla: the precomputed pair when the trainer gave one."""
+    if varlen is not None:
+        return varlen.cu_seqlens, varlen.chunk_indices
+    return (None if cu_seqlens is None else cu_seqlens.long()), None
+
+
+def causal_conv1d_silu(x, weight, cu_seqlens, backend: str, varlen: GDNVarlen | None = None):
     if backend == "fla":
         from fla.modules.convolution import causal_conv1d
 
-        cu = None if cu_seqlens is None else cu_seqlens.long()
+        cu, _ = _fla_varlen(cu_seqlens, varlen)
         return causal_conv1d(x=x, weight=weight, bias=None, activation="silu", cu_seqlens=cu)[0]
     return causal_conv1d_silu_ref(x, weight, cu_seqlens)
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, backend: str):
+def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, backend: str, varlen: GDNVarlen | None = None):
+    """The delta rule over a batch; ``varlen`` (packed batches, optional) carries the chunk table
+    built once per micro-batch, so fla skips its per-call index construction and host sync."""
     if backend == "fla":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
 
-        cu = None if cu_seqlens is None else cu_seqlens.long()
-        return fla_chunk(q, k, v, g=g, beta=beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=False)[0]
+        cu, chunk_indices = _fla_varlen(cu_seqlens, varlen)
+        return fla_chunk(q, k, v, g=g, beta=beta, cu_seqlens=cu, chunk_indices=chunk_indices,
+                         chunk_size=FLA_CHUNK_SIZE, use_qk_l2norm_in_kernel=False)[0]
     return chunk_gated_delta_rule_ref(q, k, v, g, beta, cu_seqlens)
 
 

@@ -28,7 +28,16 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 
 @dataclass
-class CPPackedSeqParams(PackedSeqParams):
+class PackedRowParams(PackedSeqParams):
+    """megatron's PackedSeqParams plus the GDN layers' varlen metadata for fla
+    (``kernels.gated_delta_rule.GDNVarlen``), built once per micro-batch on the host so that no
+    layer rebuilds it on the device (nor syncs to do so). None: the layers derive it themselves."""
+
+    gdn_varlen: object | None = None
+
+
+@dataclass
+class CPPackedSeqParams(PackedRowParams):
     """PackedSeqParams plus what the head-parallel mixers need under context parallelism.
 
     ``cu_seqlens_*_padded`` and ``max_seqlen_*`` describe the *whole* (gathered) sequence.

@@ -1,7 +1,7 @@
 """forward_step: micro-batch from the loader -> device tensors -> model -> loss closure.
 
 All model-specific batch handling lives here, not in the training loop. Everything the
-device needs is copied once per micro-batch with ``non_blocking``; host-side metadata
+device needs is copied once per micro-batch asynchronously (from pinned memory); host-side metadata
 (sample lengths, max_seqlen, image grids) stays on the host so no layer has to sync.
 """
 
@@ -12,21 +12,26 @@ from functools import partial
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from multimodal.context_parallel import CPPackedSeqParams, partition_batch
+from kernels.gated_delta_rule import GDNVarlen
+from models.common.transfer import to_device_async
+from multimodal.context_parallel import CPPackedSeqParams, PackedRowParams, partition_batch
 from multimodal.loss import masked_token_loss
 
 
 def to_device(batch: dict, device: torch.device, pixel_dtype: torch.dtype, with_pixels: bool = True) -> dict:
     out = dict(batch)
     for key in ("tokens", "labels", "loss_mask", "position_ids"):
-        out[key] = batch[key].to(device, non_blocking=True)
+        out[key] = to_device_async(batch[key], device)
     if with_pixels:
-        out["pixel_values"] = batch["pixel_values"].to(device, pixel_dtype, non_blocking=True)
+        out["pixel_values"] = to_device_async(batch["pixel_values"], device).to(pixel_dtype)
     else:  # later pipeline stages have no vision encoder: do not ship the pixels
         out["pixel_values"] = None
     for key in ("padding_mask", "vision_gather_index", "cu_seqlens", "cu_seqlens_padded", "cp_gather_order", "cp_restore_order", "image_feature_index"):
         if batch.get(key) is not None:
-            out[key] = batch[key].to(device, non_blocking=True)
+            out[key] = to_device_async(batch[key], device)
+    cu = batch.get("cu_seqlens_padded")
+    cu = batch.get("cu_seqlens") if cu is None else cu
+    out["gdn_varlen"] = None if cu is None else GDNVarlen.from_host(cu, device)
     return out
 
 
@@ -42,13 +47,14 @@ def packed_seq_params(batch: dict, cp_group=None) -> PackedSeqParams | None:
         fields = dict(
             qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
             cu_seqlens_kv_padded=cu_padded, max_seqlen_q=batch["max_seqlen"], max_seqlen_kv=batch["max_seqlen"],
+            gdn_varlen=batch.get("gdn_varlen"),
         )
     if batch.get("cp_size", 1) > 1:
         return CPPackedSeqParams(
             **(fields or {"qkv_format": "sbhd"}), cp_size=batch["cp_size"], cp_rank=batch["cp_rank"],
             cp_mixer_group=cp_group, gather_order=batch["cp_gather_order"], restore_order=batch["cp_restore_order"],
         )
-    return PackedSeqParams(**fields) if fields else None
+    return PackedRowParams(**fields) if fields else None
 
 
 def vision_gather(batch: dict, cp_group):

@@ -200,10 +200,10 @@ class _LayerRecompute:
             return x, None  # prepare receives the norm output and projects inside its checkpoint
         return forward(x, *args, **kwargs)
 
-    def _prepare(self, hidden, cu_seqlens):
+    def _prepare(self, hidden, cu_seqlens, varlen=None):
         if not self.deferring:
-            return self.prepare(hidden, cu_seqlens)
-        return self._checkpoint(self.attn_half, lambda h: self.prepare(self.in_proj(h)[0], cu_seqlens), hidden)
+            return self.prepare(hidden, cu_seqlens, varlen)
+        return self._checkpoint(self.attn_half, lambda h: self.prepare(self.in_proj(h)[0], cu_seqlens, varlen), hidden)
 
     def _after(self, blocks: list):
         def hook(module, inputs, output):

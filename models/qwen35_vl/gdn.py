@@ -34,19 +34,20 @@ class Qwen35GatedDeltaNet(GatedDeltaNet):
 
     def forward(self, hidden_states, attention_mask=None, inference_context=None, packed_seq_params=None,
                 sequence_len_offset=None, **kwargs):
-        cu_seqlens = None
+        cu_seqlens, varlen = None, None
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             cu_seqlens = packed_seq_params.cu_seqlens_q_padded
             if cu_seqlens is None:
                 cu_seqlens = packed_seq_params.cu_seqlens_q
+            varlen = getattr(packed_seq_params, "gdn_varlen", None)  # forward_step builds it once per micro-batch
 
         proj, _ = self.in_proj(hidden_states)  # [S, B, D_local] (S gathered under SP)
         cp = cp_info(packed_seq_params)
         if cp is not None:
-            core, z = self._context_parallel_core(proj, cp, cu_seqlens)
+            core, z = self._context_parallel_core(proj, cp, cu_seqlens, varlen)
         else:
-            q, k, v, g, beta, z = self.prepare(proj, cu_seqlens)
-            core = gdr.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, self.kernel_backend)  # [B, S, nv, V]
+            q, k, v, g, beta, z = self.prepare(proj, cu_seqlens, varlen)
+            core = gdr.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, self.kernel_backend, varlen)  # [B, S, nv, V]
         return self.out_proj(self.norm_out(core, z))
 
     def _split_proj(self, proj: torch.Tensor):
@@ -54,7 +55,7 @@ class Qwen35GatedDeltaNet(GatedDeltaNet):
         qk, vd, nv = self.qk_dim_local_tp, self.v_dim_local_tp, self.num_v_heads_local_tp
         return torch.split(proj, [qk, qk, vd, vd, nv, nv], dim=-1)
 
-    def prepare(self, proj: torch.Tensor, cu_seqlens: torch.Tensor | None):
+    def prepare(self, proj: torch.Tensor, cu_seqlens: torch.Tensor | None, varlen=None):
         """in_proj output [S, B, D_local] -> delta-rule inputs (q, k, v, g, beta) and the gate z.
 
         q, k [B, S, nv, K] (l2-normed, repeated to the value heads), v and z [B, S, nv, V],
@@ -64,11 +65,12 @@ class Qwen35GatedDeltaNet(GatedDeltaNet):
             return self._prepare_fused(proj, cu_seqlens)
         q, k, v, z, b, a = (t.transpose(0, 1) for t in self._split_proj(proj))  # [B, S, ...]
         qkv = torch.cat([q, k, v], dim=-1)
-        out = self.prepare_heads(qkv, b, a, self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias, cu_seqlens)
+        out = self.prepare_heads(qkv, b, a, self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias, cu_seqlens,
+                                 varlen)
         batch, seq = z.shape[:2]
         return (*out, z.reshape(batch, seq, -1, self.value_head_dim))
 
-    def prepare_heads(self, qkv, b, a, conv_weight, A_log, dt_bias, cu_seqlens):
+    def prepare_heads(self, qkv, b, a, conv_weight, A_log, dt_bias, cu_seqlens, varlen=None):
         """The pre-delta-rule chain for any contiguous group of heads: qkv [B, S, 2*nk*K + nv*V]
         (q | k | v channels), b, a [B, S, nv]; conv_weight [channels, width]; A_log, dt_bias [nv].
         Returns q, k [B, S, nv, K], v [B, S, nv, V], g (fp32), beta [B, S, nv]."""
@@ -81,7 +83,7 @@ class Qwen35GatedDeltaNet(GatedDeltaNet):
                 return fused_pre_gdr.fused_pre_gdr(qkv, b, a, conv_weight, A_log, dt_bias, cu_seqlens, nk,
                                                    self.key_head_dim, self.value_head_dim)
             fused_pre_gdr.warn_fallback(reason)
-        qkv = gdr.causal_conv1d_silu(qkv, conv_weight, cu_seqlens, self.kernel_backend)
+        qkv = gdr.causal_conv1d_silu(qkv, conv_weight, cu_seqlens, self.kernel_backend, varlen)
         q, k, v = torch.split(qkv, [nk * self.key_head_dim, nk * self.key_head_dim, nv * self.value_head_dim], dim=-1)
         q = gdr.l2norm(q.reshape(batch, seq, nk, self.key_head_dim))
         k = gdr.l2norm(k.reshape(batch, seq, nk, self.key_head_dim))
@@ -92,7 +94,7 @@ class Qwen35GatedDeltaNet(GatedDeltaNet):
         g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
         return q.contiguous(), k.contiguous(), v.contiguous(), g, beta
 
-    def _context_parallel_core(self, proj: torch.Tensor, cp, cu_seqlens):
+    def _context_parallel_core(self, proj: torch.Tensor, cp, cu_seqlens, varlen=None):
         """Head-parallel GDN (multimodal/context_parallel.py): rank r runs the conv and the delta
         rule over the whole sequence for its 1/cp of the key and value heads, then the outputs go
         back to the local tokens. The gate z never leaves its rank."""
@@ -110,9 +112,10 @@ class Qwen35GatedDeltaNet(GatedDeltaNet):
         nv = self.num_v_heads_local_tp // n
         heads = slice(r * nv, (r + 1) * nv)
         qh, kh, vh, g, beta = self.prepare_heads(
-            torch.cat([qg, kg, vg], dim=-1), bg, ag, conv_weight, self.A_log[heads], self.dt_bias[heads], cu_seqlens
+            torch.cat([qg, kg, vg], dim=-1), bg, ag, conv_weight, self.A_log[heads], self.dt_bias[heads], cu_seqlens,
+            varlen,
         )
-        core = gdr.chunk_gated_delta_rule(qh, kh, vh, g, beta, cu_seqlens, self.kernel_backend)  # [B, S, nv/cp, V]
+        core = gdr.chunk_gated_delta_rule(qh, kh, vh, g, beta, cu_seqlens, self.kernel_backend, varlen)  # [B, S, nv/cp, V]
         core = heads_to_tokens(core.transpose(0, 1), cp)  # [S_local, B, cp, nv/cp, V]
         core = core.reshape(seq_local, batch, -1, self.value_head_dim).transpose(0, 1)
         return core, z.transpose(0, 1).reshape(batch, seq_local, -1, self.value_head_dim)

@@ -19,6 +19,7 @@ from torch import nn
 
 from kernels import fused_mrope
 from models.common.attention import attention
+from models.common.transfer import to_device_async
 from models.qwen35_vl.mrope import apply_rotary
 
 
@@ -54,13 +55,12 @@ def vision_geometry(grid_thw: torch.Tensor, merge: int, grid_side: int, device) 
     index = (h_idx[:, :, None] * grid_side + w_idx[:, None, :]).reshape(-1, 4)
     weight = (h_w[:, :, None] * w_w[:, None, :]).reshape(-1, 4)
     cu = torch.tensor([0] + frames, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    to = dict(device=device, non_blocking=True)
     return VisionGeometry(
-        cu_seqlens=cu.to(**to),
+        cu_seqlens=to_device_async(cu, device),
         max_seqlen=max(frames) if frames else 0,
-        rot_pos=torch.stack([row, col], -1).to(**to),
-        interp_index=index.to(**to),
-        interp_weight=weight.to(**to),
+        rot_pos=to_device_async(torch.stack([row, col], -1), device),
+        interp_index=to_device_async(index, device),
+        interp_weight=to_device_async(weight, device),
     )
 
 
