@@ -188,13 +188,18 @@ def linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, l
 
 
 def vocab_parallel_linear_cross_entropy(hidden_sbh: torch.Tensor, weight: torch.Tensor, labels_bs: torch.Tensor,
-                                        tp_group=None, sequence_parallel: bool = False, **kw) -> torch.Tensor:
+                                        tp_group=None, sequence_parallel: bool = False,
+                                        token_index: torch.Tensor | None = None, **kw) -> torch.Tensor:
     """The GPTModel post-process with the fused loss: decoder output [S(/TP), B, H] and labels
     [B, S] -> per-token loss [B, S], matching megatron's output layer + vocab-parallel CE.
 
     Under sequence parallelism the hidden states are all-gathered along the sequence (backward:
     reduce-scatter of the partial dh); otherwise they enter the TP region with an identity
     whose backward all-reduces dh, as ColumnParallelLinear does.
+
+    ``token_index`` (flat s * B + b indices into the gathered [S, B]; same on every TP rank):
+    compute the loss only there; every other token gets loss 0 and no gradient. Exact when
+    those are the only tokens the caller's loss mask keeps (``model.sparse_lm_head``).
     """
     from megatron.core.tensor_parallel import (
         copy_to_tensor_model_parallel_region,
@@ -208,5 +213,13 @@ def vocab_parallel_linear_cross_entropy(hidden_sbh: torch.Tensor, weight: torch.
     elif tp > 1:
         hidden_sbh = copy_to_tensor_model_parallel_region(hidden_sbh, group=tp_group)
     labels_sb = labels_bs.transpose(0, 1)
-    loss = fused_linear_cross_entropy(hidden_sbh, weight, labels_sb, tp_group=tp_group if tp > 1 else None, **kw)
-    return loss.transpose(0, 1).contiguous()
+    group = tp_group if tp > 1 else None
+    if token_index is None:
+        loss = fused_linear_cross_entropy(hidden_sbh, weight, labels_sb, tp_group=group, **kw)
+        return loss.transpose(0, 1).contiguous()
+    s, b, h = hidden_sbh.shape
+    picked = hidden_sbh.reshape(s * b, h).index_select(0, token_index)
+    picked_loss = fused_linear_cross_entropy(picked, weight, labels_sb.reshape(s * b).index_select(0, token_index),
+                                             tp_group=group, **kw)
+    loss = picked_loss.new_zeros(s * b).index_copy(0, token_index, picked_loss)
+    return loss.view(s, b).transpose(0, 1).contiguous()

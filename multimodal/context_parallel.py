@@ -29,11 +29,15 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 @dataclass
 class PackedRowParams(PackedSeqParams):
-    """megatron's PackedSeqParams plus the GDN layers' varlen metadata for fla
-    (``kernels.gated_delta_rule.GDNVarlen``), built once per micro-batch on the host so that no
-    layer rebuilds it on the device (nor syncs to do so). None: the layers derive it themselves."""
+    """megatron's PackedSeqParams plus per-micro-batch metadata built once on the host, so that no
+    layer rebuilds it on the device (nor syncs to do so): the GDN layers' varlen table for fla
+    (``kernels.gated_delta_rule.GDNVarlen``; None: the layers derive it themselves) and the
+    loss tokens for the sparse LM head."""
 
     gdn_varlen: object | None = None
+    # flat indices (s * B + b over this rank's [S, B] tokens) of the tokens with a nonzero loss
+    # mask, for model.sparse_lm_head; None: the LM head runs on every token
+    loss_token_index: torch.Tensor | None = None
 
 
 @dataclass

@@ -6,7 +6,8 @@ training = 3 x forward (backward costs two forwards). Per component:
   inside each sample: sum over samples of L(L+1)/2 pairs;
 - Gated DeltaNet: projections, conv, and the chunked delta rule (per token and value
   head: state read and update 4*dk*dv, intra-chunk terms 2*C*(dk+dv), C = 64);
-- MLP / MoE (top-k routed experts + shared expert + router), LM head;
+- MLP / MoE (top-k routed experts + shared expert + router), LM head (with
+  ``model.sparse_lm_head``: at the loss tokens only, the tokens it ran on);
 - vision encoder per patch (blocks + attention within each image) and the merger.
 """
 
@@ -56,11 +57,15 @@ def vision_flops(m, image_grids: Iterable[tuple[int, int, int]]) -> float:
     return total
 
 
-def training_flops(m, sample_lengths: Iterable[int], image_grids: Iterable[tuple[int, int, int]]) -> float:
-    """FLOPs of forward + backward for the given real samples."""
+def training_flops(m, sample_lengths: Iterable[int], image_grids: Iterable[tuple[int, int, int]],
+                   lm_head_tokens: int | None = None) -> float:
+    """FLOPs of forward + backward for the given real samples. ``lm_head_tokens``: how many tokens
+    the LM head ran on (``model.sparse_lm_head``: the loss tokens); None: every real token."""
     per_token, per_pair = decoder_flops_per_token(m)
     lengths = list(sample_lengths)
     fwd = per_token * sum(lengths) + per_pair * sum(L * (L + 1) / 2 for L in lengths)
+    if lm_head_tokens is not None:  # the LM head skipped the tokens without loss
+        fwd -= 2 * m.hidden_size * m.vocab_size * (sum(lengths) - lm_head_tokens)
     fwd += vision_flops(m, image_grids)
     return 3.0 * fwd
 

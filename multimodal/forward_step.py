@@ -57,6 +57,12 @@ def packed_seq_params(batch: dict, cp_group=None) -> PackedSeqParams | None:
     return PackedRowParams(**fields) if fields else None
 
 
+def loss_token_index(loss_mask: torch.Tensor) -> torch.Tensor:
+    """Host loss mask [B, S] -> flat indices (s * B + b, the decoder's [S, B] order) of the tokens
+    with a nonzero mask: where the sparse LM head computes logits (``model.sparse_lm_head``)."""
+    return (loss_mask.transpose(0, 1).reshape(-1) != 0).nonzero().squeeze(1)
+
+
 def vision_gather(batch: dict, cp_group):
     """(index, width, group, rank) for MultimodalModel when the batch's images are split over CP."""
     if batch.get("vision_gather_index") is None:
@@ -74,8 +80,11 @@ class ForwardStep:
     """Callable for megatron's forward_backward_func; records host-side batch stats."""
 
     def __init__(self, device: torch.device, pixel_dtype: torch.dtype, cp_size: int = 1, cp_rank: int = 0,
-                 cp_group=None, image_token_id: int | None = None, cp_split_vision: bool = False, merge: int = 2):
+                 cp_group=None, image_token_id: int | None = None, cp_split_vision: bool = False, merge: int = 2,
+                 sparse_lm_head: bool = False):
         self.device, self.pixel_dtype = device, pixel_dtype
+        # model.sparse_lm_head (with the fused loss): logits only at the loss tokens of packed batches
+        self.sparse_lm_head = sparse_lm_head
         self.cp_size, self.cp_rank, self.cp_group = cp_size, cp_rank, cp_group
         self.image_token_id = image_token_id
         self.cp_split_vision, self.merge = cp_split_vision, merge
@@ -88,13 +97,20 @@ class ForwardStep:
         forward later, interleaved with another micro-batch's backward) and megatron applies the
         same loss closure to the plan's output."""
         batch = next(data_iterator)
-        self.batches.append(
-            {k: batch[k] for k in ("sample_lengths", "num_real_tokens", "image_grid_thw")}
-        )
+        # packed (or CP-split) batches carry PackedRowParams, which carry the loss-token indices
+        sparse = self.sparse_lm_head and (batch.get("cu_seqlens") is not None or self.cp_size > 1)
+        self.batches.append({
+            **{k: batch[k] for k in ("sample_lengths", "num_real_tokens", "image_grid_thw")},
+            # tokens the LM head runs on (for FLOPs): the loss tokens, or None for every real token
+            "lm_head_tokens": int((batch["loss_mask"] != 0).sum()) if sparse else None,
+        })
         if self.cp_size > 1:  # every CP rank read the same micro-batch; keep this rank's chunks
             batch = partition_batch(batch, self.cp_size, self.cp_rank, self.image_token_id,
                                     split_vision=self.cp_split_vision, merge=self.merge)
         b = to_device(batch, self.device, self.pixel_dtype, with_pixels=getattr(_unwrap(model), "pre_process", True))
+        params = packed_seq_params(b, self.cp_group)
+        if sparse:
+            params.loss_token_index = to_device_async(loss_token_index(batch["loss_mask"]), self.device)
         run = model.build_schedule_plan if return_schedule_plan else model
         output = run(
             b["tokens"],
@@ -102,7 +118,7 @@ class ForwardStep:
             labels=b["labels"],
             pixel_values=b["pixel_values"],
             image_grid_thw=b["image_grid_thw"],
-            packed_seq_params=packed_seq_params(b, self.cp_group),
+            packed_seq_params=params,
             image_feature_index=b.get("image_feature_index"),
             padding_mask=b.get("padding_mask"),
             vision_gather=vision_gather(b, self.cp_group),

@@ -268,7 +268,8 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
             step = ForwardStep(rt.device, dtype, cp_size=ps.get_context_parallel_world_size(),
                                cp_rank=ps.get_context_parallel_rank(), cp_group=ps.get_context_parallel_group(),
                                image_token_id=m.image_token_id, cp_split_vision=cfg.parallel.cp_split_vision,
-                               merge=m.vision.spatial_merge_size)
+                               merge=m.vision.spatial_merge_size,
+                               sparse_lm_head=m.sparse_lm_head and m.fused_linear_ce)
             outputs = fwd_bwd(
                 forward_step_func=step,
                 data_iterator=batches,
@@ -319,7 +320,7 @@ class _Window:
         for b in batches:
             self.tokens += b["num_real_tokens"]
             grids = [tuple(g) for g in b["image_grid_thw"].tolist()]
-            self.flops += training_flops(model_cfg, b["sample_lengths"], grids)
+            self.flops += training_flops(model_cfg, b["sample_lengths"], grids, b.get("lm_head_tokens"))
 
 
 def _log_metrics(it, report, grad_norm, scheduler, window: _Window, peak, rt: Runtime) -> dict:

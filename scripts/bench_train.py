@@ -26,7 +26,9 @@ fed as
 Labels: our (shifted) supervised labels, placed where transformers' internal shift expects them.
 
 Both sides are credited the same work: real tokens and ``multimodal.flops.training_flops`` of
-the real samples (never padding, never the cross-sample attention of ``row``). MFU divides by
+the real samples (never padding, never the cross-sample attention of ``row``; with
+``model.sparse_lm_head``, the LM head at the loss tokens only, for transformers too, which
+computes the logits of every token). MFU divides by
 the device's dense bf16 peak (``multimodal.flops.PEAK_TFLOPS``: H100/H200 989 TFLOP/s) or
 ``logging.peak_tflops``; it is null when neither is known (CPU).
 """
@@ -266,7 +268,13 @@ def run_hf(cfg, batches: list[list[dict]], warmup: int, steps: int, dtype, devic
     total = sum(times)
     timed = [b for step in batches[warmup:] for b in step]
     tokens = sum(b["num_real_tokens"] for b in timed)
-    flops = sum(training_flops(m, b["sample_lengths"], [tuple(g) for g in b["image_grid_thw"].tolist()]) for b in timed)
+    # the same work credited as ours (with model.sparse_lm_head: the LM head at the loss tokens of
+    # packed batches), though transformers computes the logits of every token
+    sparse = m.sparse_lm_head and m.fused_linear_ce
+    flops = sum(training_flops(m, b["sample_lengths"], [tuple(g) for g in b["image_grid_thw"].tolist()],
+                               int((b["loss_mask"] != 0).sum()) if sparse and b.get("cu_seqlens") is not None
+                               else None)
+                for b in timed)
     peak = device_peak_tflops(cfg.logging.peak_tflops)
     tflops = flops / total / 1e12
     result = {

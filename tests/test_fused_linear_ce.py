@@ -102,18 +102,69 @@ def test_large_logits_are_stable():
     assert _rel(fused[2], ref[2]) < 1e-4  # exp(x - lse) at |x| ~ 1e3: one ulp of lse is ~6e-5
 
 
+# ------------------------------------------------------------------ the sparse LM head
+
+
+def _sparse_inputs(seed, s=12, b=2, h=16, v=50):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(s, b, h, generator=g).requires_grad_()
+    weight = torch.randn(v, h, generator=g).requires_grad_()
+    labels = torch.randint(0, v, (b, s), generator=g)
+    mask = (torch.rand(b, s, generator=g) > 0.6).float() * torch.rand(b, s, generator=g)  # weighted mask
+    return hidden, weight, labels, mask
+
+
+def test_sparse_lm_head_equals_the_dense_loss_at_the_loss_tokens():
+    """Losses at the loss tokens, zero elsewhere; hidden and weight gradients of the masked loss
+    equal the dense run's. An empty index (a micro-batch without loss tokens) gives zeros."""
+    from kernels.fused_linear_ce import vocab_parallel_linear_cross_entropy as vplce
+    from multimodal.forward_step import loss_token_index
+
+    hidden, weight, labels, mask = _sparse_inputs(3)
+    index = loss_token_index(mask)
+    assert 0 < len(index) < mask.numel()
+    runs = []
+    for idx in (None, index):
+        hidden.grad = weight.grad = None
+        loss = vplce(hidden, weight, labels, token_index=idx)
+        (loss * mask).sum().backward()
+        runs.append((loss.detach(), hidden.grad.clone(), weight.grad.clone()))
+    (dense, dh, dw), (sparse, sh, sw) = runs
+    assert torch.equal(sparse[mask == 0], torch.zeros_like(sparse[mask == 0]))
+    torch.testing.assert_close(sparse[mask != 0], dense[mask != 0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(sh, dh, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(sw, dw, rtol=1e-5, atol=1e-6)
+    hidden.grad = weight.grad = None
+    empty = vplce(hidden, weight, labels, token_index=torch.zeros(0, dtype=torch.long))
+    empty.sum().backward()
+    assert not empty.any() and not hidden.grad.any() and not weight.grad.any()
+
+
+def test_sparse_lm_head_flops_count_the_loss_tokens_only():
+    from multimodal.config import load_config
+    from multimodal.flops import training_flops
+
+    m = load_config("configs/qwen35_vl_2b.yaml").model
+    lengths, grids = [3000, 5000], [(1, 28, 28)]
+    dense = training_flops(m, lengths, grids)
+    assert training_flops(m, lengths, grids, lm_head_tokens=8000) == dense
+    saved = dense - training_flops(m, lengths, grids, lm_head_tokens=100)
+    assert saved == pytest.approx(3 * 2 * m.hidden_size * m.vocab_size * 7900)
+
+
 # ------------------------------------------------------------------ the whole model
 
 
 @pytest.mark.parametrize("tied", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_proxy_model_loss_and_grads_equal_with_fused_ce_on_and_off(mcore, tied):
-    """Per-token losses and every parameter gradient of the proxy model, fused CE vs megatron's
-    output layer + vocab_parallel_cross_entropy (same weights, same batch, fp32)."""
+    """Per-token losses and every parameter gradient of the proxy model, fused CE (dense, and sparse:
+    only at the loss tokens) vs megatron's output layer + vocab_parallel_cross_entropy (same
+    weights, same batch, fp32)."""
     from data.collate import pack_thd
     from data.mock import MockDataset
     from models import get_model_builder
     from multimodal.config import load_config
-    from multimodal.forward_step import packed_seq_params
+    from multimodal.forward_step import loss_token_index, packed_seq_params
     from multimodal.platform import seed_everything
 
     cfg = load_config("configs/qwen35_vl_proxy.yaml", [f"model.tie_word_embeddings={str(tied).lower()}"])
@@ -125,28 +176,65 @@ def test_proxy_model_loss_and_grads_equal_with_fused_ce_on_and_off(mcore, tied):
     batch = pack_thd([ds[0], ds[1]], 384, pad_id=m.pad_token_id, image_token_id=m.image_token_id,
                      merge=m.vision.spatial_merge_size)
 
-    def run(fused: bool):
+    def run(fused: bool, sparse: bool = False):
         model.language_model.fused_linear_ce = fused
         model.zero_grad(set_to_none=True)
+        params = packed_seq_params(batch)
+        if sparse:  # model.sparse_lm_head: what forward_step adds to packed batches
+            params.loss_token_index = loss_token_index(batch["loss_mask"])
         loss = model(batch["tokens"], batch["position_ids"], labels=batch["labels"],
                      pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
-                     packed_seq_params=packed_seq_params(batch))
+                     packed_seq_params=params)
         (loss * batch["loss_mask"]).sum().backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     loss_f, grads_f = run(True)
     loss_u, grads_u = run(False)
-    assert loss_f.shape == loss_u.shape == batch["labels"].shape
+    loss_s, grads_s = run(True, sparse=True)
+    assert loss_f.shape == loss_u.shape == loss_s.shape == batch["labels"].shape
     torch.testing.assert_close(loss_f, loss_u, rtol=1e-5, atol=1e-5)
-    assert set(grads_f) == set(grads_u) and len(grads_f) > 10
+    kept = batch["loss_mask"] != 0
+    assert 0 < int(kept.sum()) < int(batch["num_real_tokens"])  # SFT: most tokens carry no loss
+    torch.testing.assert_close(loss_s[kept], loss_u[kept], rtol=1e-5, atol=1e-5)
+    assert not loss_s[~kept].any()
+    assert set(grads_f) == set(grads_u) == set(grads_s) and len(grads_f) > 10
     out_w = "language_model.embedding.word_embeddings.weight" if tied else "language_model.output_layer.weight"
     assert out_w in grads_f
     # relative to each gradient's norm, floored at 1e-3 of the largest (a ~1e-4-norm dt_bias
     # gradient would otherwise report pure fp32 rounding of the summation order)
     floor = 1e-3 * max(g.norm().item() for g in grads_u.values())
-    for name, g in grads_u.items():
-        err = (grads_f[name] - g).norm().item() / max(g.norm().item(), floor)
-        assert err < 1e-4, (name, err)
+    for grads in (grads_f, grads_s):
+        for name, g in grads_u.items():
+            err = (grads[name] - g).norm().item() / max(g.norm().item(), floor)
+            assert err < 1e-4, (name, err)
+
+
+def test_forward_step_gives_the_model_the_loss_tokens_and_counts_them(mcore):
+    """ForwardStep with sparse_lm_head: the same masked loss as without, and the host-side count
+    of LM-head tokens that the FLOPs use."""
+    from data.collate import pack_thd
+    from data.mock import MockDataset
+    from models import get_model_builder
+    from multimodal.config import load_config
+    from multimodal.forward_step import ForwardStep
+    from multimodal.platform import seed_everything
+
+    cfg = load_config("configs/qwen35_vl_proxy.yaml")
+    seed_everything(0)
+    model = get_model_builder(cfg.model.name)(cfg.model, cfg.parallel, torch.float32)
+    m = cfg.model
+    ds = MockDataset(m, cfg.data, 256)
+    batch = pack_thd([ds[0], ds[1], ds[2]], 384, pad_id=m.pad_token_id, image_token_id=m.image_token_id,
+                     merge=m.vision.spatial_merge_size)
+    results = {}
+    for sparse in (False, True):
+        step = ForwardStep(torch.device("cpu"), torch.float32, image_token_id=m.image_token_id, sparse_lm_head=sparse)
+        out, loss_fn = step(iter([batch]), model)
+        loss_sum, n, _ = loss_fn(out)
+        results[sparse] = (loss_sum.item(), int(n), step.batches[0]["lm_head_tokens"])
+    (dense_loss, dense_n, dense_count), (sparse_loss, sparse_n, sparse_count) = results[False], results[True]
+    assert dense_count is None and sparse_count == int((batch["loss_mask"] != 0).sum()) == sparse_n == dense_n
+    assert sparse_loss == pytest.approx(dense_loss, rel=1e-6)
 
 
 # ------------------------------------------------------------------ TP=2 (gloo)
@@ -157,19 +245,22 @@ def _tp_main(out_dir: str) -> None:
     from megatron.core import parallel_state as ps
 
     from kernels.fused_linear_ce import vocab_parallel_linear_cross_entropy
+    from multimodal.forward_step import loss_token_index
     from multimodal.platform import init_distributed
 
     init_distributed()
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
     group, rank = ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_rank()
     results = {}
-    for sp in (False, True):
+    for sp, sparse in ((False, False), (True, False), (True, True)):
         s, b, h, v = 10, 2, 16, 90  # S divisible by TP for sequence parallel; V/TP = 45
         full_h, full_w, labels_sb, _ = _inputs(s * b, h, v, torch.float32, seed=11, ignore=(3,))
         full_h = full_h.detach().view(s, b, h)
         full_w = full_w.detach()
         labels_bs = labels_sb.view(s, b).t().contiguous()
         up = torch.rand(b, s, generator=torch.Generator().manual_seed(12))
+        if sparse:  # the loss only at a third of the tokens (and computed only there)
+            up = up * (torch.arange(b * s).view(b, s) % 3 == 0)
 
         ref_h = full_h.clone().requires_grad_()
         ref_w = full_w.clone().requires_grad_()
@@ -179,11 +270,14 @@ def _tp_main(out_dir: str) -> None:
         shard = v // 2
         my_w = full_w[rank * shard:(rank + 1) * shard].clone().requires_grad_()
         my_h = (full_h[rank * s // 2:(rank + 1) * s // 2] if sp else full_h).clone().requires_grad_()
+        if sparse:
+            ref_loss = ref_loss * (up != 0)  # the sparse head leaves the other tokens at 0
+        index = loss_token_index(up) if sparse else None
         loss = vocab_parallel_linear_cross_entropy(my_h, my_w, labels_bs, tp_group=group, sequence_parallel=sp,
-                                                   token_chunk=6, vocab_chunk=13)
+                                                   token_chunk=6, vocab_chunk=13, token_index=index)
         (loss * up).sum().backward()
         exp_h = ref_h.grad[rank * s // 2:(rank + 1) * s // 2] if sp else ref_h.grad
-        results[f"sp={sp}"] = {
+        results[f"sp={sp}" + (",sparse" if sparse else "")] = {
             "loss": (loss - ref_loss).abs().max().item(),
             "grad_h": (my_h.grad - exp_h).abs().max().item(),
             "grad_w": (my_w.grad - ref_w.grad[rank * shard:(rank + 1) * shard]).abs().max().item(),
@@ -203,7 +297,7 @@ def test_vocab_parallel_tp2_matches_full_vocab(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in range(2):
         res = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert set(res) == {"sp=False", "sp=True"}
+        assert set(res) == {"sp=False", "sp=True", "sp=True,sparse"}
         for mode, diffs in res.items():
             for name, d in diffs.items():
                 assert d < 1e-5, (rank, mode, name, d)

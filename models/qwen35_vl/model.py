@@ -57,9 +57,11 @@ class Qwen35LanguageModel(GPTModel):
         # [V/TP, H] shards along the vocabulary, as vocab_parallel_cross_entropy expects.
         weight = (self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights
                   else self.output_layer.weight)
+        # model.sparse_lm_head: forward_step put the loss tokens' indices on packed batches
+        index = getattr(kwargs.get("packed_seq_params"), "loss_token_index", None)
         return vocab_parallel_linear_cross_entropy(
             hidden_states, weight, labels, tp_group=self.tp_group,
-            sequence_parallel=self.output_layer.sequence_parallel)
+            sequence_parallel=self.output_layer.sequence_parallel, token_index=index)
 
     def _preprocess(self, input_ids, position_ids, *args, **kwargs):
         out = list(super()._preprocess(input_ids, position_ids, *args, **kwargs))
