@@ -174,6 +174,9 @@ class TrainConfig:
     seq_length: int = 512
     seed: int = 1234
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
+    # megatron-core's deterministic_mode plus torch's deterministic kernels where they exist (the
+    # MoE combine, scatter/index ops); slower. Kernels without such a version (flash attention's
+    # and fla's backward) still vary in the last bits from run to run.
     deterministic: bool = False
     # selective activation recompute (multimodal/recompute.py): core_attn, layernorm,
     # shared_experts, gdn_qkv, gdn_norm_out; outputs and gradients unchanged bit for bit

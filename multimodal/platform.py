@@ -332,6 +332,17 @@ class CpuRngStatesTracker:
             torch.set_rng_state(saved)
 
 
+def use_deterministic_algorithms(enabled: bool) -> None:
+    """train.deterministic: torch's deterministic kernels wherever one exists (megatron-core then
+    also picks them: e.g. the MoE combine becomes an ordered ``index_add`` instead of ``scatter_add``
+    with float atomics, whose summation order, and so whose bf16 result, changes from run to run).
+    Ops without a deterministic version warn instead of stopping the run; cuBLAS needs a fixed
+    workspace, set here before its first use."""
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(enabled, warn_only=True)
+
+
 def seed_everything(seed: int) -> None:
     """Seed Python, torch and megatron's model-parallel RNG streams."""
     import random

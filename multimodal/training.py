@@ -35,7 +35,7 @@ from multimodal.forward_step import ForwardStep
 from multimodal.loss import masked_token_loss
 from multimodal.memory import MemoryTools
 from multimodal.metrics import MetricsSink
-from multimodal.platform import Runtime, init_distributed, seed_everything
+from multimodal.platform import Runtime, init_distributed, seed_everything, use_deterministic_algorithms
 from multimodal.profiling import StepProfiler
 
 log = logging.getLogger(__name__)
@@ -210,6 +210,7 @@ def train(cfg: Config) -> TrainResult:
 def _train(cfg: Config, rt: Runtime) -> TrainResult:
     t, m = cfg.train, cfg.model
     seed_everything(t.seed)
+    use_deterministic_algorithms(t.deterministic)
     # before the model is built, so the allocator history shows parameters and optimizer state too
     mem = MemoryTools(cfg.logging, rt.is_cuda, dist.get_rank()).start()
     dtype = resolve_dtype(t.precision, rt)
