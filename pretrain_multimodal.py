@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-mem-gib", type=float, default=80.0,
                         help="--dry-run: GiB per GPU to fit in (H100 80GB: 80; H200 141GB = 131 GiB)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.iters=100 parallel.tp=2")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may come before or after the options
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(
         level=logging.INFO if rank == 0 else logging.WARNING,

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--modes", default="off,on",
                     help="runs in order, e.g. off,on | on | off,on,off (a second off measures run-to-run noise)")
     ap.add_argument("--json", help="write the result here (JSON, rank 0)")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # overrides may come before or after the options
     modes = args.modes.split(",")
     if not set(modes) <= {"off", "on"} or args.warmup < 0 or args.steps < 1:
         ap.error("--modes takes a comma list of off / on (e.g. off,on,off); --warmup >= 0, --steps >= 1")

@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="also run ours once per train.recompute_modules choice and report peak memory / speed")
     ap.add_argument("--hf-gdn", choices=("auto", "fla", "torch"), default="auto",
                     help="transformers' GDN kernels: fla when importable on CUDA (auto), or its PyTorch path")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # overrides may come before or after the options
     if args.warmup < 0 or args.steps < 1:
         ap.error("--warmup must be >= 0 and --steps >= 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -356,6 +356,11 @@ def main(argv: list[str] | None = None) -> dict:
               "logging.tensorboard=false", "logging.wandb=false", "logging.memory_history=false"]
     cfg = load_config(args.config, [f"logging.dir={out_dir}", *args.overrides, *forced])
     resolve_sources(cfg)
+    lg = cfg.logging
+    if lg.profile_step and lg.profile_step + lg.profile_num_steps - 1 > args.warmup:
+        # the profiler's own cost (trace collection and export: seconds) would land in the timing
+        raise BenchError(f"logging.profile_step={lg.profile_step} (x{lg.profile_num_steps}) reaches the timed steps; "
+                         f"profile warm-up steps only (profile_step + profile_num_steps - 1 <= --warmup {args.warmup})")
     rt = init_distributed()
     if rt.world_size != 1:
         raise BenchError("bench_train.py compares one GPU with transformers on the same GPU: run it as one "

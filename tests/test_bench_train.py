@@ -93,3 +93,13 @@ def test_hf_inputs_keep_our_tokens_labels_and_images():
         assert torch.equal(call["labels"][0], expect)
         assert call["image_grid_thw"].shape[0] == len(s["image_grid_thw"])
     assert int((row["labels"] != -100).sum()) == int(batch["loss_mask"].sum())
+
+
+def test_profiling_a_timed_step_is_refused(tmp_path):
+    """The profiler's own cost (seconds of trace export) must not land in the timed steps."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "scripts/bench_train.py", "--config", "configs/qwen35_vl_proxy.yaml", *TINY,
+           "--warmup", "3", "--steps", "2", "--skip-hf", "logging.profile_step=3", "logging.profile_num_steps=2"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "profile warm-up steps only" in proc.stderr and "--warmup 3" in proc.stderr

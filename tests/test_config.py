@@ -74,12 +74,14 @@ def test_validation_names_the_fix(overrides, world, needle):
 
 
 def test_print_config_cli_prints_resolved_yaml():
+    # overrides on both sides of an option: argparse's plain parse_args would reject the second group
     out = subprocess.run(
-        [sys.executable, "pretrain_multimodal.py", "--config", PROXY, "--print-config", "train.iters=11"],
+        [sys.executable, "pretrain_multimodal.py", "--config", PROXY, "train.seed=7", "--print-config",
+         "train.iters=11"],
         capture_output=True, text=True, check=True,
     ).stdout
     cfg = yaml.safe_load(out)
-    assert cfg["train"]["iters"] == 11
+    assert cfg["train"]["iters"] == 11 and cfg["train"]["seed"] == 7
     assert cfg["model"]["name"] == "qwen35_vl"
 
 
