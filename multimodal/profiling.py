@@ -9,7 +9,8 @@ under ``<logging.dir>/profile/``:
 - ``kernels_rank{r}.txt`` / ``.json``: per profiled step, the device time by kernel (top N) and
   by category (GEMM, attention, linear attention, NCCL, optimizer, elementwise, ...), and how
   much of the wall time the GPU was busy at all (the rest is launch overhead, host syncs or
-  data waits).
+  data waits), and the GPU's idle gaps charged to the host op that launched the kernel ending
+  each gap (where the host was too slow to keep the GPU fed).
 
 The summary is computed from the exported trace itself (kernel events and their durations),
 which keeps it independent of the profiler's Python API, whose field names have changed
@@ -22,6 +23,7 @@ in metrics.jsonl are not representative; the trace's relative figures are.
 
 from __future__ import annotations
 
+import bisect
 import gzip
 import json
 import logging
@@ -77,6 +79,61 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+GAP_US = 20.0  # idle stretches shorter than this are the normal launch-to-launch spacing
+_LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+
+
+class _Launchers:
+    """For a kernel, the top-level host op whose call launched it (the outermost CPU op on the
+    launching thread, e.g. an autograd Function, ``aten::linear`` or a backward node), found
+    through the correlation id the trace gives both the launch call and the kernel."""
+
+    def __init__(self, events: list[dict]):
+        self.launch = {e["args"]["correlation"]: e for e in events
+                       if e.get("ph") == "X" and e.get("cat") in _LAUNCH_CATS and "correlation" in e.get("args", {})}
+        ops: dict[int, list[tuple[float, float, str]]] = defaultdict(list)
+        for e in events:
+            if e.get("ph") == "X" and e.get("cat") == "cpu_op" and not str(e["name"]).startswith("ProfilerStep#"):
+                ops[e.get("tid", 0)].append((e["ts"], e["ts"] + e["dur"], e["name"]))
+        self.top: dict[int, tuple[list[float], list[tuple[float, float, str]]]] = {}
+        for tid, spans in ops.items():
+            spans.sort(key=lambda x: (x[0], -x[1]))
+            top, end = [], float("-inf")
+            for a, b, name in spans:
+                if a >= end:  # not inside the previous top-level op
+                    top.append((a, b, name))
+                    end = b
+            self.top[tid] = ([a for a, _, _ in top], top)
+
+    def op_of(self, kernel: dict) -> str:
+        launch = self.launch.get(kernel.get("args", {}).get("correlation"))
+        if launch is None or launch.get("tid", 0) not in self.top:
+            return "(launch not in trace)"
+        starts, top = self.top[launch.get("tid", 0)]
+        i = bisect.bisect_right(starts, launch["ts"]) - 1
+        if i >= 0 and top[i][1] >= launch["ts"]:
+            return top[i][2]
+        return "(outside any op)"
+
+
+def _idle_gaps(mine: list[dict], launchers: _Launchers, top_n: int) -> tuple[float, list[dict]]:
+    """GPU idle stretches over GAP_US between a step's kernels, each charged to the host op that
+    launched the kernel ending it: what the GPU was waiting for the host to get to."""
+    by_op: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    total, busy_until = 0.0, None
+    for k in sorted(mine, key=lambda k: k["ts"]):
+        if busy_until is not None and k["ts"] - busy_until > GAP_US:
+            gap = k["ts"] - busy_until
+            agg = by_op[launchers.op_of(k)]
+            agg[0] += gap
+            agg[1] += 1
+            total += gap
+        end = k["ts"] + k["dur"]
+        busy_until = end if busy_until is None else max(busy_until, end)
+    top = sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top_n]
+    return total, [{"op": op, "ms": us / 1e3, "gaps": n} for op, (us, n) in top]
+
+
 def summarize_trace(events: list[dict], top_n: int = TOP_N) -> list[dict]:
     """One summary per ``ProfilerStep#k`` in a chrome trace: wall time, device-busy time,
     device time by category and the top kernels. Kernels are attributed to the step whose
@@ -86,6 +143,7 @@ def summarize_trace(events: list[dict], top_n: int = TOP_N) -> list[dict]:
                    if e.get("ph") == "X" and e.get("cat") in ("user_annotation", "cpu_op")
                    and str(e.get("name", "")).startswith("ProfilerStep#"))
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in _KERNEL_CATS]
+    launchers = _Launchers(events)
     out = []
     for i, (start, end, name) in enumerate(steps):
         # a step's kernels may run after its host span ends (the host is ahead of the GPU):
@@ -104,6 +162,7 @@ def summarize_trace(events: list[dict], top_n: int = TOP_N) -> list[dict]:
         busy_us = _union_us([(k["ts"], k["ts"] + k["dur"]) for k in mine])
         wall_us = wall_end - start
         top = sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:top_n]
+        gap_us, gaps = _idle_gaps(mine, launchers, top_n)
         out.append({
             "step": name,
             "wall_ms": wall_us / 1e3,
@@ -116,6 +175,8 @@ def summarize_trace(events: list[dict], top_n: int = TOP_N) -> list[dict]:
             "top_kernels": [{"kernel": n, "ms": us / 1e3, "calls": calls, "category": categorize(n),
                              "fraction": us / kernel_us if kernel_us else 0.0}
                             for n, (us, calls) in top],
+            "idle_gaps_ms": gap_us / 1e3,
+            "idle_gaps_by_launching_op": gaps,
         })
     return out
 
@@ -145,6 +206,9 @@ def format_summary(summary: list[dict]) -> str:
         lines.append("  top kernels:")
         lines += [f"    {k['ms']:10.2f} ms {100 * k['fraction']:5.1f}% {k['calls']:6d}x  [{k['category']}] "
                   f"{k['kernel'][:140]}" for k in s["top_kernels"]]
+        lines.append(f"  GPU idle gaps > {GAP_US:g} us: {s['idle_gaps_ms']:.1f} ms, by the host op that launched "
+                     "the kernel ending each gap:")
+        lines += [f"    {g['ms']:10.2f} ms {g['gaps']:6d} gaps  {g['op'][:140]}" for g in s["idle_gaps_by_launching_op"]]
     return "\n".join(lines) + "\n"
 
 

@@ -46,6 +46,37 @@ def test_summary_counts_overlap_once_and_attributes_late_kernels_to_their_step()
     assert "idle 40.0%" in text and "[nccl] ncclDevKernel_AllReduce_Sum" in text
 
 
+def test_idle_gaps_are_charged_to_the_top_level_host_op_that_launched_the_next_kernel():
+    def op(name, ts, dur, tid=1):
+        return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+    def launch(corr, ts, tid=1):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 5, "tid": tid,
+                "args": {"correlation": corr}}
+
+    def kernel(corr, ts, dur):
+        return {**_kernel(f"k{corr}", ts, dur), "args": {"correlation": corr}}
+
+    events = [
+        _step(1, 0, 1000),
+        op("MyFunction", 100, 200), op("aten::mm", 150, 50),  # nested: the outer op is charged
+        op("aten::add", 400, 50),
+        op("autograd::engine::evaluate_function: MyFunctionBackward", 600, 100, tid=2),  # the backward thread
+        launch(1, 160), launch(2, 420), launch(3, 650, tid=2),
+        kernel(0, 10, 10),     # the first kernel: no gap before it
+        kernel(1, 170, 20),    # idle 20 -> 170: 150 us, launched inside MyFunction (via aten::mm)
+        kernel(2, 430, 10),    # idle 190 -> 430: 240 us, aten::add
+        kernel(3, 660, 10),    # idle 440 -> 660: 220 us, the backward node
+        kernel(4, 685, 5),     # 15 us after the previous one: normal spacing, not a gap
+    ]
+    (s,) = summarize_trace(events)
+    assert s["idle_gaps_ms"] == pytest.approx(0.61)
+    assert [(g["op"], g["gaps"]) for g in s["idle_gaps_by_launching_op"]] == [
+        ("aten::add", 1), ("autograd::engine::evaluate_function: MyFunctionBackward", 1), ("MyFunction", 1)]
+    assert [g["ms"] for g in s["idle_gaps_by_launching_op"]] == pytest.approx([0.24, 0.22, 0.15])
+    assert "GPU idle gaps > 20 us: 0.6 ms" in format_summary([s])
+
+
 @pytest.mark.parametrize("name,category", [
     ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_32x6_tn_align8>", "gemm"),
     ("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT", "gemm"),
