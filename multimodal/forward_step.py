@@ -97,20 +97,19 @@ class ForwardStep:
         forward later, interleaved with another micro-batch's backward) and megatron applies the
         same loss closure to the plan's output."""
         batch = next(data_iterator)
-        # packed (or CP-split) batches carry PackedRowParams, which carry the loss-token indices
-        sparse = self.sparse_lm_head and (batch.get("cu_seqlens") is not None or self.cp_size > 1)
-        self.batches.append({
-            **{k: batch[k] for k in ("sample_lengths", "num_real_tokens", "image_grid_thw")},
-            # tokens the LM head runs on (for FLOPs): the loss tokens, or None for every real token
-            "lm_head_tokens": int((batch["loss_mask"] != 0).sum()) if sparse else None,
-        })
+        stats = {k: batch[k] for k in ("sample_lengths", "num_real_tokens", "image_grid_thw")}
+        loss_tokens = int((batch["loss_mask"] != 0).sum())  # of the whole micro-batch, before any CP split
         if self.cp_size > 1:  # every CP rank read the same micro-batch; keep this rank's chunks
             batch = partition_batch(batch, self.cp_size, self.cp_rank, self.image_token_id,
                                     split_vision=self.cp_split_vision, merge=self.merge)
         b = to_device(batch, self.device, self.pixel_dtype, with_pixels=getattr(_unwrap(model), "pre_process", True))
         params = packed_seq_params(b, self.cp_group)
+        # packed (or CP-split) batches have PackedRowParams, which carry the loss-token indices
+        sparse = self.sparse_lm_head and params is not None
         if sparse:
             params.loss_token_index = to_device_async(loss_token_index(batch["loss_mask"]), self.device)
+        # tokens the LM head runs on (for FLOPs): the loss tokens, or None for every real token
+        self.batches.append({**stats, "lm_head_tokens": loss_tokens if sparse else None})
         run = model.build_schedule_plan if return_schedule_plan else model
         output = run(
             b["tokens"],
