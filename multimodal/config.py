@@ -100,6 +100,10 @@ class ModelConfig:
     # most of the tokens, this removes most of the LM head's work (tokens x hidden x vocab x 6);
     # the reported FLOPs then count the LM head at those tokens only. false: every token.
     sparse_lm_head: bool = True
+    # Add each linear layer's weight gradient into the fp32 main_grad inside its backward GEMM
+    # (models/common/wgrad_fusion.py) instead of a bf16 gradient plus a separate add per weight.
+    # null = wherever it can run (CUDA with torch's addmm(out_dtype)); true = on or an error.
+    grad_accum_fusion: bool | None = None
     vision: VisionConfig = field(default_factory=VisionConfig)
 
     def is_full_attention(self, layer: int) -> bool:

@@ -35,6 +35,7 @@ from multimodal.forward_step import ForwardStep
 from multimodal.loss import masked_token_loss
 from multimodal.memory import MemoryTools
 from multimodal.metrics import MetricsSink
+from models.common import wgrad_fusion
 from multimodal.platform import Runtime, init_distributed, seed_everything, use_deterministic_algorithms
 from multimodal.profiling import StepProfiler
 
@@ -79,6 +80,8 @@ def build_model_and_optimizer(cfg: Config, rt: Runtime, dtype: torch.dtype):
         average_in_collective=False,  # per-token loss: the one division is by the token count
     )
     ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    if wgrad_fusion.resolve(cfg.model.grad_accum_fusion):  # needs DDP's main_grad buffers: after the wrap
+        log.info("weight-gradient accumulation fusion in %d linear layers", wgrad_fusion.enable(ddp))
     o = cfg.optimizer
     opt_cfg = McoreOptimizerConfig(
         optimizer=o.name,
