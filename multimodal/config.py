@@ -185,6 +185,11 @@ class TrainConfig:
     # selective activation recompute (multimodal/recompute.py): core_attn, layernorm,
     # shared_experts, gdn_qkv, gdn_norm_out; outputs and gradients unchanged bit for bit
     recompute_modules: list[str] = field(default_factory=list)
+    # Decoder layers replayed as CUDA graphs, forward and backward (models/common/layer_graphs.py):
+    # removes most of the host's kernel-launch time. GPU, dense models, packed rows, pp=tp=cp=1,
+    # no recompute. Rows with more samples than cuda_graph_max_samples run eagerly (counted).
+    cuda_graphs: bool = False
+    cuda_graph_max_samples: int = 64
 
 
 @dataclass
@@ -355,6 +360,12 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     ]:
         _require(value >= 1, f"{name} must be >= 1, got {value}")
     _require(cfg.checkpoint.interval >= 0, "checkpoint.interval must be >= 0 (0 = only at the end)")
+    if t.cuda_graphs:
+        from models.common.layer_graphs import refusal
+
+        why = refusal(cfg)
+        _require(why is None, f"train.cuda_graphs: {why}")
+        _require(t.cuda_graph_max_samples >= 1, "train.cuda_graph_max_samples must be >= 1")
     if t.recompute_modules:
         from multimodal.recompute import check_modules
 

@@ -35,7 +35,7 @@ from multimodal.forward_step import ForwardStep
 from multimodal.loss import masked_token_loss
 from multimodal.memory import MemoryTools
 from multimodal.metrics import MetricsSink
-from models.common import wgrad_fusion
+from models.common import layer_graphs, wgrad_fusion
 from multimodal.platform import Runtime, init_distributed, seed_everything, use_deterministic_algorithms
 from multimodal.profiling import StepProfiler
 
@@ -82,6 +82,10 @@ def build_model_and_optimizer(cfg: Config, rt: Runtime, dtype: torch.dtype):
     ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
     if wgrad_fusion.resolve(cfg.model.grad_accum_fusion):  # needs DDP's main_grad buffers: after the wrap
         log.info("weight-gradient accumulation fusion in %d linear layers", wgrad_fusion.enable(ddp))
+    if cfg.train.cuda_graphs:  # after the fusion: the graphs capture its main_grad writes
+        if not rt.is_cuda:
+            raise ConfigError("train.cuda_graphs=true needs a GPU; set it to false here")
+        model.decoder_graphs = layer_graphs.install(model.language_model, cfg.train.cuda_graph_max_samples)
     o = cfg.optimizer
     opt_cfg = McoreOptimizerConfig(
         optimizer=o.name,
@@ -296,6 +300,9 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
             if it % cfg.logging.interval == 0 or it == t.iters:
                 metrics = _log_metrics(it, report, grad_norm, scheduler, window, peak, rt)
                 metrics["param_norm"] = _param_norm(model)
+                graphs = getattr(model, "decoder_graphs", None)
+                if graphs is not None:  # micro-batches that ran the eager layers instead (logged once per reason)
+                    metrics["cuda_graph_eager_batches"] = sum(graphs.eager_batches.values())
                 result.losses[it] = metrics["loss"]
                 sink.log(it, metrics)
                 report.zero_()

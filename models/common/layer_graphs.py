@@ -1,0 +1,348 @@
+"""CUDA graphs for the decoder layers (``train.cuda_graphs``).
+
+Why: on the 2B recipe the GPU idled ~40% of each step because the host could not issue the
+~4,800 kernels of a step fast enough (docs/benchmarks/README.md, session 4). A CUDA graph per
+decoder layer and direction replays all of a layer's kernels with one host call.
+
+How:
+- Static inputs. A graph replays fixed addresses and shapes, so every micro-batch's layer
+  metadata is copied (on the device, no host sync) into buffers of one fixed shape:
+  ``cu_seqlens`` padded with empty segments at the end up to ``max_samples`` segments, the GDN
+  chunk table (``kernels.gated_delta_rule.GDNVarlen``) padded to its largest possible length
+  with rows that point at an always-empty segment (every kernel masks them out), ``max_seqlen``
+  fixed at the row length, and the MRoPE positions. Real rows and segments are unchanged, so the
+  numbers are the eager ones.
+- Capture, once, at the first eligible micro-batch: a few eager warm-up passes of every layer
+  on a side stream (Triton autotuning, torch.compile), then the forward graphs of all layers in
+  order and their backward graphs in reverse order, in one memory pool, which is the order
+  training replays them in (PP = 1: each micro-batch's backward follows its forward).
+- Replay: ``_Replay`` is the autograd node of a graphed layer: forward copies the hidden state
+  in and replays; backward copies the gradient in, replays, and hands autograd the input
+  gradient and the parameter gradients. With ``model.grad_accum_fusion`` the linear layers'
+  weight gradients are added into ``main_grad`` inside the backward graph; those parameters
+  get megatron's usual placeholder gradient and flag, so DDP's hooks behave as without graphs.
+- Fallback, loud and counted: a micro-batch the graphs cannot take (not a packed row, a
+  different length, more samples than ``max_samples``, no grad) runs the eager layers, with
+  one warning per reason; a capture that fails logs why and training stays eager.
+
+Unsupported (config validation refuses them): CPU, pipeline, tensor or context parallelism,
+MoE layers, selective recompute. The vision encoder, embeddings and loss stay eager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import sys
+from collections import Counter
+
+import torch
+
+from kernels.gated_delta_rule import FLA_CHUNK_SIZE, GDNVarlen
+from multimodal.context_parallel import PackedRowParams, cp_info
+
+log = logging.getLogger(__name__)
+WARMUP_ITERS = 2
+
+
+class StaticBatch:
+    """Fixed-shape device buffers for one packed row of ``seq`` tokens with at most
+    ``max_samples`` segments; ``load`` fills them from a micro-batch's PackedRowParams."""
+
+    def __init__(self, seq: int, max_samples: int, rope: torch.Tensor, device):
+        self.seq, self.max_samples = seq, max_samples
+        n_cu = max_samples + 2  # segment ``max_samples`` is always empty: the padding rows' target
+        self.cu32 = torch.full((n_cu,), seq, dtype=torch.int32, device=device)
+        self.cu64 = torch.full((n_cu,), seq, dtype=torch.int64, device=device)
+        # sum over samples of ceil(len / chunk) <= seq / chunk + samples
+        self.chunks = torch.zeros((seq // FLA_CHUNK_SIZE + max_samples, 2), dtype=torch.int64, device=device)
+        self.rope = torch.zeros_like(rope)
+        self.params = PackedRowParams(
+            qkv_format="thd", cu_seqlens_q=self.cu32, cu_seqlens_kv=self.cu32, cu_seqlens_q_padded=self.cu32,
+            cu_seqlens_kv_padded=self.cu32, max_seqlen_q=seq, max_seqlen_kv=seq,
+            gdn_varlen=GDNVarlen(self.cu64, self.chunks))
+
+    def refusal(self, params, rope) -> str | None:
+        """None if this micro-batch fits the buffers, else why not."""
+        if rope is None or rope.shape != self.rope.shape or rope.dtype != self.rope.dtype:
+            return "MRoPE input of another shape"
+        samples = _boundaries(params).numel() - 1
+        if samples > self.max_samples:
+            return f"more than train.cuda_graph_max_samples={self.max_samples} samples in a row"
+        varlen = params.gdn_varlen
+        if varlen is None:
+            return "no GDN chunk table (multimodal.forward_step builds one for packed rows)"
+        if varlen.chunk_indices.shape[0] > self.chunks.shape[0]:
+            return "a GDN chunk table longer than the static one"
+        return None
+
+    def load(self, params, rope) -> None:
+        """Copy a micro-batch's metadata in (device to device, no host sync)."""
+        cu = _boundaries(params)
+        n = cu.numel()
+        self.cu32[:n].copy_(cu, non_blocking=True)
+        self.cu32[n:].fill_(self.seq)
+        self.cu64.copy_(self.cu32, non_blocking=True)
+        chunks = params.gdn_varlen.chunk_indices
+        self.chunks[: chunks.shape[0]].copy_(chunks, non_blocking=True)
+        self.chunks[chunks.shape[0]:, 0].fill_(self.max_samples)  # the empty segment: masked out
+        self.chunks[chunks.shape[0]:, 1].fill_(0)
+        self.rope.copy_(rope, non_blocking=True)
+
+
+def _boundaries(params) -> torch.Tensor:
+    cu = params.cu_seqlens_q_padded
+    return params.cu_seqlens_q if cu is None else cu
+
+
+class _LayerGraph:
+    """One layer's forward and backward graphs and their static tensors."""
+
+    def __init__(self, params: list[torch.nn.Parameter], fused: set[int]):
+        self.params = params
+        self.fused = fused  # indices into params whose weight gradient the graph adds to main_grad
+        self.fwd = self.bwd = None
+        self.static_in = self.static_out = self.static_grad_out = None
+        self.static_grads: tuple = ()
+
+    def param_grads(self) -> list:
+        out = []
+        for i, (p, g) in enumerate(zip(self.params, self.static_grads[1:])):
+            if i in self.fused:
+                # megatron's convention for a gradient already in main_grad: a placeholder the
+                # DDP hook skips because of the flag (a fresh tensor, so autograd does not copy it)
+                p.grad_added_to_main_grad = True
+                out.append(torch.empty_like(p))
+            else:
+                out.append(g)
+        return out
+
+
+class _Replay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, graph: _LayerGraph, hidden: torch.Tensor, *params):
+        ctx.graph = graph
+        graph.static_in.copy_(hidden)
+        graph.fwd.replay()
+        return graph.static_out.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        graph = ctx.graph
+        graph.static_grad_out.copy_(grad)
+        graph.bwd.replay()
+        return (None, graph.static_grads[0], *graph.param_grads())
+
+
+class _fla_cache_off:
+    """fla memoises per-tensor metadata (chunk offsets) by object identity; over static buffers
+    whose contents change that would bake the warm-up batch's values into the graphs."""
+
+    def __enter__(self):
+        self.module = sys.modules.get("fla.utils")
+        if self.module is not None:
+            self.saved = getattr(self.module, "FLA_DISABLE_TENSOR_CACHE", False)
+            self.module.FLA_DISABLE_TENSOR_CACHE = True
+
+    def __exit__(self, *exc):
+        if self.module is not None:
+            self.module.FLA_DISABLE_TENSOR_CACHE = self.saved
+
+
+def _fused_linears(layer: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in layer.modules() if getattr(m, "gradient_accumulation_fusion", False)
+            and hasattr(getattr(m, "weight", None), "main_grad")]
+
+
+class DecoderGraphs:
+    """Routes each decoder layer's forward through its graphs when the micro-batch fits."""
+
+    def __init__(self, layers, max_samples: int, graph_factory=None):
+        self.layers = list(layers)
+        self.max_samples = max_samples
+        self.eager = [layer.forward for layer in self.layers]
+        self._new_graph = graph_factory or (lambda: torch.cuda.CUDAGraph())
+        self.static: StaticBatch | None = None
+        self.graphs: list[_LayerGraph] | None = None
+        self.failed: str | None = None
+        self.eager_batches: Counter = Counter()  # reason -> micro-batches run eagerly
+        self.graphed_batches = 0
+        self._current = None  # the PackedRowParams the graphs hold this micro-batch, else None
+        for i, layer in enumerate(self.layers):
+            layer.forward = functools.partial(self._forward, i)
+
+    # ------------------------------------------------------------------ per micro-batch
+    def _forward(self, i: int, hidden_states, **kw):
+        params = kw.get("packed_seq_params")
+        if i == 0:
+            self._current = self._begin(hidden_states, kw)
+        if self._current is None or params is not self._current:
+            return self.eager[i](hidden_states=hidden_states, **kw)
+        graph = self.graphs[i]
+        return _Replay.apply(graph, hidden_states, *graph.params), kw.get("context")
+
+    def _begin(self, hidden, kw):
+        reason = self._refusal(hidden, kw)
+        if reason is None and self.graphs is None:
+            reason = self._try_capture(hidden, kw)
+        if reason is not None:
+            if reason not in self.eager_batches:
+                log.warning("CUDA graphs: a micro-batch runs the eager decoder layers (%s); counted in "
+                            "cuda_graph_eager_batches", reason)
+            self.eager_batches[reason] += 1
+            return None
+        self.static.load(kw["packed_seq_params"], kw["rotary_pos_emb"])
+        self.graphed_batches += 1
+        return kw["packed_seq_params"]
+
+    def _refusal(self, hidden, kw) -> str | None:
+        if self.failed is not None:
+            return f"capture failed: {self.failed}"
+        if not (torch.is_grad_enabled() and self.layers[0].training):
+            return "not training (no grad or eval mode)"
+        params = kw.get("packed_seq_params")
+        if not isinstance(params, PackedRowParams) or params.qkv_format != "thd" or cp_info(params) is not None:
+            return "not a packed (THD) row"
+        for key in ("attention_mask", "context", "inference_context", "attention_bias", "rotary_pos_cos",
+                    "rotary_pos_sin", "rotary_pos_cos_sin", "sequence_len_offset"):
+            if kw.get(key) is not None:
+                return f"{key} is given"
+        if hidden.dim() != 3 or hidden.shape[1] != 1:
+            return "not one packed row"
+        if self.static is not None:
+            if hidden.shape != self.graphs[0].static_in.shape or hidden.dtype != self.graphs[0].static_in.dtype:
+                return f"a row of {hidden.shape[0]} tokens, not {self.static.seq} (train.seq_length)"
+            return self.static.refusal(params, kw.get("rotary_pos_emb"))
+        return None
+
+    # ------------------------------------------------------------------ capture
+    def _try_capture(self, hidden, kw) -> str | None:
+        static = StaticBatch(hidden.shape[0], self.max_samples, kw["rotary_pos_emb"], hidden.device)
+        reason = static.refusal(kw["packed_seq_params"], kw["rotary_pos_emb"])
+        if reason is not None:
+            return reason
+        static.load(kw["packed_seq_params"], kw["rotary_pos_emb"])
+        try:
+            self.graphs = self._capture(hidden, kw, static)
+        except Exception as e:  # noqa: BLE001 - any capture failure: say so, train on eagerly
+            self.failed = f"{type(e).__name__}: {e}"
+            log.warning("CUDA graphs: capture failed, the decoder layers stay eager: %s", self.failed)
+            return f"capture failed: {self.failed}"
+        self.static = static
+        log.info("CUDA graphs: captured %d decoder layers (forward and backward) for rows of %d tokens, "
+                 "up to %d samples", len(self.graphs), static.seq, static.max_samples)
+        return None
+
+    def _capture(self, hidden, kw, static: StaticBatch) -> list[_LayerGraph]:
+        layer_kw = dict(kw, packed_seq_params=static.params, rotary_pos_emb=static.rope, padding_mask=None)
+        fns = [functools.partial(self._layer_output, eager, layer_kw) for eager in self.eager]
+        graphs = []
+        for layer in self.layers:
+            params = [p for p in layer.parameters() if p.requires_grad]
+            fused_weights = {id(m.weight) for m in _fused_linears(layer)}
+            graphs.append(_LayerGraph(params, {j for j, p in enumerate(params) if id(p) in fused_weights}))
+        fused_modules = [m for layer in self.layers for m in _fused_linears(layer)]
+        flags = {id(p): getattr(p, "grad_added_to_main_grad", None) for g in graphs for p in g.params}
+        on_gpu = hidden.is_cuda
+        side = torch.cuda.Stream() if on_gpu else None
+        with _fla_cache_off():
+            # warm-up: eager passes with the plain weight-gradient path (it must not touch main_grad)
+            for m in fused_modules:
+                m.gradient_accumulation_fusion = False
+            try:
+                if on_gpu:
+                    side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side) if on_gpu else contextlib.nullcontext():
+                    x = hidden.detach()
+                    for fn, graph in zip(fns, graphs):
+                        for _ in range(WARMUP_ITERS):
+                            inp = x.clone().requires_grad_(True)
+                            out = fn(inp)
+                            torch.autograd.grad(out, (inp, *graph.params), torch.ones_like(out) * 1e-3,
+                                                allow_unused=True)
+                        x = out.detach()
+                if on_gpu:
+                    torch.cuda.current_stream().wait_stream(side)
+            finally:
+                for m in fused_modules:
+                    m.gradient_accumulation_fusion = True
+            pool = torch.cuda.graph_pool_handle() if on_gpu else None
+            for fn, graph in zip(fns, graphs):
+                # zeros, not empty: the CPU stand-in really runs the capture pass, and a zero
+                # input and output gradient make its fused main_grad adds exact no-ops
+                graph.static_in = torch.zeros_like(hidden).requires_grad_(True)
+                graph.fwd = self._new_graph()
+                graph.static_out = _record(graph.fwd, functools.partial(fn, graph.static_in), pool)
+            for graph in reversed(graphs):
+                graph.static_grad_out = torch.zeros_like(graph.static_out)
+                graph.bwd = self._new_graph()
+                graph.static_grads = _record(graph.bwd, functools.partial(_layer_backward, graph), pool)
+        for g in graphs:  # capturing ran megatron's backward once: undo its flag side effects
+            for p in g.params:
+                if flags[id(p)] is not None:
+                    p.grad_added_to_main_grad = flags[id(p)]
+        return graphs
+
+    @staticmethod
+    def _layer_output(eager, layer_kw, x):
+        return eager(hidden_states=x, **layer_kw)[0]
+
+
+def _layer_backward(graph: _LayerGraph):
+    # the test stand-in (EagerStandIn) re-runs the forward at each replay: use its latest output
+    out = getattr(graph.fwd, "latest", graph.static_out)
+    return torch.autograd.grad(out, (graph.static_in, *graph.params), graph.static_grad_out, allow_unused=True)
+
+
+def _record(graph, fn, pool):
+    """Capture ``fn`` into ``graph`` and return its (static) outputs."""
+    if isinstance(graph, torch.cuda.CUDAGraph):
+        # thread_local: the data loader's threads may pin host memory meanwhile
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            return fn()
+    return graph.capture(fn)
+
+
+class EagerStandIn:
+    """What a CUDA graph does, done eagerly, so the CPU tests run the whole graphed path (static
+    buffers, replay node, gradient routing): ``capture`` runs ``fn`` and keeps its outputs as the
+    static ones; ``replay`` runs it again and copies the results into them."""
+
+    def capture(self, fn):
+        self.fn = fn
+        self.static = self.latest = fn()
+        return self.static
+
+    def replay(self):
+        with torch.enable_grad():  # replay runs inside the autograd node's forward (no grad mode)
+            self.latest = self.fn()
+        with torch.no_grad():
+            if isinstance(self.static, torch.Tensor):
+                self.static.copy_(self.latest)
+            else:
+                for dst, src in zip(self.static, self.latest):
+                    if dst is not None:
+                        dst.copy_(src)
+
+
+def refusal(cfg) -> str | None:
+    """None if ``train.cuda_graphs`` can run with this config, else why not (for validate())."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if not cfg.data.pack:
+        return "needs data.pack=true (graphs replay one packed row of train.seq_length tokens)"
+    if p.pp > 1 or p.tp > 1 or p.cp > 1:
+        return "needs parallel.pp = tp = cp = 1 (data parallelism is fine)"
+    if m.num_experts:
+        return "MoE layers route a data-dependent number of tokens per expert; not graphable"
+    if t.recompute_modules:
+        return "cannot be combined with train.recompute_modules"
+    if t.micro_batch_size != 1:
+        return "needs train.micro_batch_size=1 (one packed row per micro-batch)"
+    return None
+
+
+def install(language_model, max_samples: int, graph_factory=None) -> DecoderGraphs:
+    """Route ``language_model``'s decoder layers through CUDA graphs (after the DDP wrap, so the
+    fused weight-gradient path sees main_grad)."""
+    return DecoderGraphs(language_model.decoder.layers, max_samples, graph_factory)
