@@ -1,0 +1,148 @@
+"""Decoder layers as CUDA graphs (train.cuda_graphs) against the eager layers, on a GPU.
+
+    python scripts/check_layer_graphs_gpu.py [--config configs/qwen35_vl_2b.yaml] [key=value ...] [--json OUT]
+
+1. fla's GDN with the graphs' padded metadata (cu_seqlens with empty tail segments, the chunk
+   table padded with rows aimed at an always-empty segment) vs the real metadata: outputs and
+   input gradients must be bit-identical.
+2. The model (bf16, DDP, weight-gradient fusion as in training) on the recipe's own packed
+   micro-batches, with gradient accumulation: eager twice (the run-to-run noise of the atomics
+   in flash attention's and fla's backward), then with graphs twice (capture, then replay only).
+   Losses must be bit-identical (every forward kernel is deterministic) and main_grad must
+   differ from eager by no more than eager differs from itself (x4, floor 1e-3 relative).
+3. Time per micro-batch forward+backward, eager vs graphs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def check_padded_gdn() -> dict:
+    from kernels.gated_delta_rule import FLA_CHUNK_SIZE, GDNVarlen, chunk_gated_delta_rule
+    from models.common.layer_graphs import StaticBatch
+    from multimodal.context_parallel import PackedRowParams
+
+    lens = [1000, 37, 3000, 2100, 2055]  # 8192 tokens, chunks that end mid-chunk
+    T, H, D = sum(lens), 16, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rnd = lambda *s: torch.randn(*s, generator=g, device="cuda")  # noqa: E731
+    q = torch.nn.functional.normalize(rnd(1, T, H, D), dim=-1).bfloat16()
+    k = torch.nn.functional.normalize(rnd(1, T, H, D), dim=-1).bfloat16()
+    v = rnd(1, T, H, D).bfloat16()
+    gate = -torch.nn.functional.softplus(rnd(1, T, H))
+    beta = torch.sigmoid(rnd(1, T, H)).bfloat16()
+    tensors = [t.requires_grad_() for t in (q, k, v, gate, beta)]
+    cot = rnd(1, T, H, D).bfloat16()
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
+    real = GDNVarlen.from_host(cu, "cuda")
+    static = StaticBatch(T, 16, torch.zeros(3, 1, T, dtype=torch.long, device="cuda"), "cuda")
+    static.load(PackedRowParams(qkv_format="thd", cu_seqlens_q=cu.cuda(), cu_seqlens_q_padded=cu.cuda(),
+                                gdn_varlen=real), static.rope)
+    results = []
+    for varlen, cu_dev in ((real, cu.cuda()), (static.params.gdn_varlen, static.cu32)):
+        out = chunk_gated_delta_rule(*tensors, cu_dev, "fla", varlen)
+        results.append((out, *torch.autograd.grad(out, tensors, cot)))
+    same = all(torch.equal(a, b) for a, b in zip(*results))
+    return {"padded_gdn_bit_identical": same, "chunk_rows_real": int(real.chunk_indices.shape[0]),
+            "chunk_rows_static": int(static.chunks.shape[0]), "chunk_size": FLA_CHUNK_SIZE}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="configs/qwen35_vl_2b.yaml")
+    ap.add_argument("overrides", nargs="*")
+    ap.add_argument("--micro-batches", type=int, default=3)
+    ap.add_argument("--json")
+    args = ap.parse_intermixed_args(argv)
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from data.loader import MicroBatchIterator, build_dataset
+    from models import get_model_builder
+    from models.common import layer_graphs, wgrad_fusion
+    from multimodal.config import load_config, resolve_sources
+    from multimodal.forward_step import packed_seq_params, to_device
+    from multimodal.platform import init_distributed, seed_everything
+
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    result.update(check_padded_gdn())
+    print(json.dumps(result), flush=True)
+
+    cfg = load_config(args.config, args.overrides)
+    resolve_sources(cfg)
+    init_distributed()
+    ps.initialize_model_parallel(1, 1)
+    seed_everything(0)
+    m, t = cfg.model, cfg.train
+    model = get_model_builder(m.name)(m, cfg.parallel, torch.bfloat16).cuda()
+    ddp = DistributedDataParallel(config=model.config, module=model,
+                                  ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
+    result["fused_wgrad_layers"] = wgrad_fusion.enable(ddp) if wgrad_fusion.resolve(None) else 0
+    dataset = build_dataset(m, cfg.data, t.seq_length)
+    loader = iter(MicroBatchIterator(dataset, t.seq_length, m.pad_token_id, m.image_token_id,
+                                     m.vision.spatial_merge_size, True, 1, 0, 1))
+    batches = [to_device(next(loader), torch.device("cuda"), torch.bfloat16) for _ in range(args.micro_batches)]
+    result["samples_per_row"] = [len(b["sample_lengths"]) for b in batches]
+
+    def micro_batch(batch):
+        loss = model(batch["tokens"], batch["position_ids"], labels=batch["labels"],
+                     pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
+                     packed_seq_params=packed_seq_params(batch))
+        (loss * batch["loss_mask"]).sum().backward()
+        return loss.detach()
+
+    def accumulate():
+        ddp.zero_grad_buffer()
+        losses = [micro_batch(b) for b in batches]
+        return losses, torch.cat([p.main_grad.flatten() for p in model.parameters()])
+
+    def timed(n=5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            accumulate()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) / n / len(batches) * 1e3
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    eager = [accumulate() for _ in range(2)]
+    result["eager_ms_per_micro_batch"] = timed()
+    graphs = layer_graphs.install(model.language_model, t.cuda_graph_max_samples)
+    graphed = [accumulate() for _ in range(2)]
+    result["capture_failed"] = graphs.failed
+    result["graphed_batches"] = graphs.graphed_batches
+    result["eager_fallbacks"] = dict(graphs.eager_batches)
+    result["graphs_ms_per_micro_batch"] = timed()
+    result["losses_bit_identical"] = all(torch.equal(a, b) for run in graphed for a, b in zip(run[0], eager[0][0]))
+    result["loss_max_abs_diff"] = max((a - b).abs().max().item() for run in graphed for a, b in zip(run[0], eager[0][0]))
+    result["grad_rel_eager_vs_eager"] = rel(eager[1][1], eager[0][1])
+    result["grad_rel_graphs_vs_eager"] = max(rel(run[1], eager[0][1]) for run in graphed)
+    bound = max(4 * result["grad_rel_eager_vs_eager"], 1e-3)
+    result["passed"] = bool(
+        result["padded_gdn_bit_identical"] and graphs.failed is None and not graphs.eager_batches
+        and result["losses_bit_identical"] and result["grad_rel_graphs_vs_eager"] <= bound)
+    result["speedup"] = result["eager_ms_per_micro_batch"] / result["graphs_ms_per_micro_batch"]
+    result["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    print(json.dumps(result, indent=1), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    ps.destroy_model_parallel()
+    return 0 if result["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
