@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import logging
 import sys
 from collections import Counter
@@ -223,11 +224,15 @@ class DecoderGraphs:
         if reason is not None:
             return reason
         static.load(kw["packed_seq_params"], kw["rotary_pos_emb"])
+        self._phase = "warm-up"
         try:
             self.graphs = self._capture(hidden, kw, static)
         except Exception as e:  # noqa: BLE001 - any capture failure: say so, train on eagerly
-            self.failed = f"{type(e).__name__}: {e}"
+            self.failed = f"{self._phase}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             log.warning("CUDA graphs: capture failed, the decoder layers stay eager: %s", self.failed)
+            gc.collect()  # the half-built graphs hold a private memory pool: give it back now
+            if hidden.is_cuda:
+                torch.cuda.empty_cache()
             return f"capture failed: {self.failed}"
         self.static = static
         log.info("CUDA graphs: captured %d decoder layers (forward and backward) for rows of %d tokens, "
@@ -262,6 +267,7 @@ class DecoderGraphs:
                             torch.autograd.grad(out, (inp, *graph.params), torch.ones_like(out) * 1e-3,
                                                 allow_unused=True)
                         x = out.detach()
+                    _warm_fused_wgrad(fused_modules, hidden)
                 if on_gpu:
                     torch.cuda.current_stream().wait_stream(side)
             finally:
@@ -274,7 +280,8 @@ class DecoderGraphs:
                 graph.static_in = torch.zeros_like(hidden).requires_grad_(True)
                 graph.fwd = self._new_graph()
                 graph.static_out = _record(graph.fwd, functools.partial(fn, graph.static_in), pool)
-            for graph in reversed(graphs):
+            for i, graph in reversed(list(enumerate(graphs))):
+                self._phase = f"backward of layer {i}"
                 graph.static_grad_out = torch.zeros_like(graph.static_out)
                 graph.bwd = self._new_graph()
                 graph.static_grads = _record(graph.bwd, functools.partial(_layer_backward, graph), pool)
@@ -287,6 +294,24 @@ class DecoderGraphs:
     @staticmethod
     def _layer_output(eager, layer_kw, x):
         return eager(hidden_states=x, **layer_kw)[0]
+
+
+def _warm_fused_wgrad(modules, hidden) -> None:
+    """Run the fused weight-gradient GEMM once per weight shape on scratch buffers: the warm-up
+    passes use the plain path (the fused one would write into main_grad), and a GEMM's first
+    call (cuBLAS heuristics, workspace) must not happen inside a capture."""
+    from models.common.wgrad_fusion import wgrad_gemm_accum_fp32
+
+    done = set()
+    for m in modules:
+        shape = tuple(m.weight.main_grad.shape)
+        if shape in done or m.weight.main_grad.dtype != torch.float32:
+            continue
+        done.add(shape)
+        tokens = hidden.shape[0] * hidden.shape[1]
+        x = torch.zeros(tokens, shape[1], dtype=hidden.dtype, device=hidden.device)
+        g = torch.zeros(tokens, shape[0], dtype=hidden.dtype, device=hidden.device)
+        wgrad_gemm_accum_fp32(x, g, torch.zeros(shape, dtype=torch.float32, device=hidden.device))
 
 
 def _layer_backward(graph: _LayerGraph):
