@@ -221,6 +221,8 @@ def _train(cfg: Config, rt: Runtime) -> TrainResult:
     # before the model is built, so the allocator history shows parameters and optimizer state too
     mem = MemoryTools(cfg.logging, rt.is_cuda, dist.get_rank()).start()
     dtype = resolve_dtype(t.precision, rt)
+    if t.cuda_graphs and rt.is_cuda:
+        layer_graphs.use_side_stream()  # before DDP creates its gradient accumulator nodes
     model, ddp, optimizer, scheduler = build_model_and_optimizer(cfg, rt, dtype)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     num_microbatches = t.global_batch_size // (t.micro_batch_size * dp_size)

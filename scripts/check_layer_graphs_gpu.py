@@ -86,6 +86,7 @@ def main(argv=None) -> int:
     ps.initialize_model_parallel(1, 1)
     seed_everything(0)
     m, t = cfg.model, cfg.train
+    layer_graphs.use_side_stream()
     model = get_model_builder(m.name)(m, cfg.parallel, torch.bfloat16).cuda()
     ddp = DistributedDataParallel(config=model.config, module=model,
                                   ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))

@@ -32,19 +32,17 @@ def _error(e: BaseException) -> str:
 
 
 def try_capture(fn) -> str:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
+    """Warm up and capture on the current stream (the trainer's side stream; see
+    models/common/layer_graphs.py use_side_stream)."""
     try:
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
+        for _ in range(2):
+            fn()
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001
         return "warm-up failed: " + _error(e)
     graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"):
             fn()
         graph.replay()
         torch.cuda.synchronize()
@@ -77,7 +75,7 @@ def main(argv=None) -> int:
     from data.loader import MicroBatchIterator, build_dataset
     from kernels.gated_delta_rule import chunk_gated_delta_rule
     from models import get_model_builder
-    from models.common import wgrad_fusion
+    from models.common import layer_graphs, wgrad_fusion
     from models.common.attention import attention
     from models.common.layer_graphs import StaticBatch
     from models.qwen35_vl.attention import MRopeSelfAttention
@@ -92,6 +90,7 @@ def main(argv=None) -> int:
     ps.initialize_model_parallel(1, 1)
     seed_everything(0)
     m, t = cfg.model, cfg.train
+    layer_graphs.use_side_stream()
     model = get_model_builder(m.name)(m, cfg.parallel, torch.bfloat16).cuda()
     ddp = DistributedDataParallel(config=model.config, module=model,
                                   ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))

@@ -13,7 +13,7 @@ How:
   fixed at the row length, and the MRoPE positions. Real rows and segments are unchanged, so the
   numbers are the eager ones.
 - Capture, once, at the first eligible micro-batch: a few eager warm-up passes of every layer
-  on a side stream (Triton autotuning, torch.compile), then the forward graphs of all layers in
+  (Triton autotuning, torch.compile), then the forward graphs of all layers in
   order and their backward graphs in reverse order, in one memory pool, which is the order
   training replays them in (PP = 1: each micro-batch's backward follows its forward).
 - Replay: ``_Replay`` is the autograd node of a graphed layer: forward copies the hidden state
@@ -31,7 +31,6 @@ MoE layers, selective recompute. The vision encoder, embeddings and loss stay ea
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
 import logging
@@ -250,26 +249,24 @@ class DecoderGraphs:
         fused_modules = [m for layer in self.layers for m in _fused_linears(layer)]
         flags = {id(p): getattr(p, "grad_added_to_main_grad", None) for g in graphs for p in g.params}
         on_gpu = hidden.is_cuda
-        side = torch.cuda.Stream() if on_gpu else None
+        if on_gpu and torch.cuda.current_stream() == torch.cuda.default_stream():
+            raise RuntimeError("the trainer must run on a side stream (see install()); the capture would "
+                               "join the default stream through DDP's gradient accumulator nodes")
         with _fla_cache_off():
-            # warm-up: eager passes with the plain weight-gradient path (it must not touch main_grad)
+            # warm-up: eager passes with the plain weight-gradient path (it must not touch main_grad),
+            # on the stream the graphs are captured on (cuBLAS workspaces, Triton autotuning)
             for m in fused_modules:
                 m.gradient_accumulation_fusion = False
             try:
-                if on_gpu:
-                    side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side) if on_gpu else contextlib.nullcontext():
-                    x = hidden.detach()
-                    for fn, graph in zip(fns, graphs):
-                        for _ in range(WARMUP_ITERS):
-                            inp = x.clone().requires_grad_(True)
-                            out = fn(inp)
-                            torch.autograd.grad(out, (inp, *graph.params), torch.ones_like(out) * 1e-3,
-                                                allow_unused=True)
-                        x = out.detach()
-                    _warm_fused_wgrad(fused_modules, hidden)
-                if on_gpu:
-                    torch.cuda.current_stream().wait_stream(side)
+                x = hidden.detach()
+                for fn, graph in zip(fns, graphs):
+                    for _ in range(WARMUP_ITERS):
+                        inp = x.clone().requires_grad_(True)
+                        out = fn(inp)
+                        torch.autograd.grad(out, (inp, *graph.params), torch.ones_like(out) * 1e-3,
+                                            allow_unused=True)
+                    x = out.detach()
+                _warm_fused_wgrad(fused_modules, hidden)
             finally:
                 for m in fused_modules:
                     m.gradient_accumulation_fusion = True
@@ -323,8 +320,10 @@ def _layer_backward(graph: _LayerGraph):
 def _record(graph, fn, pool):
     """Capture ``fn`` into ``graph`` and return its (static) outputs."""
     if isinstance(graph, torch.cuda.CUDAGraph):
-        # thread_local: the data loader's threads may pin host memory meanwhile
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        # On the trainer's own stream: the backward then meets DDP's gradient accumulator nodes
+        # (created on that stream) without a cross-stream wait, which would invalidate the capture.
+        # thread_local: the data loader's threads may pin host memory meanwhile.
+        with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"):
             return fn()
     return graph.capture(fn)
 
@@ -367,7 +366,17 @@ def refusal(cfg) -> str | None:
     return None
 
 
+def use_side_stream() -> None:
+    """Run this thread's GPU work on a new stream; call it before the model and DDP are built.
+
+    A graph cannot be captured on the default stream, and the backward graphs must be captured
+    on the stream where megatron's DDP created its gradient accumulator nodes (autograd syncs a
+    node's stream with its producer's; across streams that wait breaks the capture). So the
+    whole training runs on one side stream and the graphs are captured on it."""
+    torch.cuda.set_stream(torch.cuda.Stream())
+
+
 def install(language_model, max_samples: int, graph_factory=None) -> DecoderGraphs:
     """Route ``language_model``'s decoder layers through CUDA graphs (after the DDP wrap, so the
-    fused weight-gradient path sees main_grad)."""
+    fused weight-gradient path sees main_grad; ``use_side_stream()`` before the model is built)."""
     return DecoderGraphs(language_model.decoder.layers, max_samples, graph_factory)

@@ -63,6 +63,12 @@ def _impl(fn, x: torch.Tensor):
     return compiled
 
 
+# what a failed compilation raises; TritonUnavailableError is missing from some torch releases
+_COMPILE_FAILURES = tuple(getattr(torch._dynamo.exc, name) for name in
+                          ("BackendCompilerFailed", "TritonUnavailableError", "InternalTorchDynamoError")
+                          if hasattr(torch._dynamo.exc, name))
+
+
 class _FirstCallFallback:
     """``torch.compile(fn)`` whose compilation happens on the first call; if that fails (no
     Triton for Inductor, an unsupported platform), say so once and run the eager function from
@@ -79,8 +85,7 @@ class _FirstCallFallback:
             return self.compiled(*args)
         try:
             out = self.compiled(*args)
-        except (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.TritonUnavailableError,
-                torch._dynamo.exc.InternalTorchDynamoError) as e:
+        except _COMPILE_FAILURES as e:
             log.warning("norms: torch.compile of %s failed (%s: %s); using the eager PyTorch norm "
                         "(set model.compile_norms=false to skip the attempt)", self.fn.__name__,
                         type(e).__name__, str(e).splitlines()[0] if str(e) else "")
