@@ -252,6 +252,8 @@ def _train(cfg: Config, rt: Runtime) -> TrainResult:
     try:
         return _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microbatches, dtype, mem)
     finally:
+        if getattr(model, "decoder_graphs", None) is not None:
+            model.decoder_graphs.close()
         mem.close()
         if batches is not loader:
             batches.close()

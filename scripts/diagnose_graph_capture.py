@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     model = get_model_builder(m.name)(m, cfg.parallel, torch.bfloat16).cuda()
     ddp = DistributedDataParallel(config=model.config, module=model,
                                   ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
-    fused = wgrad_fusion.enable(ddp) if wgrad_fusion.resolve(None) else 0
+    fused = wgrad_fusion.enable(ddp) if wgrad_fusion.resolve(m.grad_accum_fusion) else 0
     dataset = build_dataset(m, cfg.data, t.seq_length)
     batch = to_device(next(iter(MicroBatchIterator(dataset, t.seq_length, m.pad_token_id, m.image_token_id,
                                                    m.vision.spatial_merge_size, True, 1, 0, 1))),

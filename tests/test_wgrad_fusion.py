@@ -31,11 +31,11 @@ def test_gemm_accumulates_into_main_grad():
     torch.testing.assert_close(half.float(), gb.float().t() @ xb.float(), rtol=1e-2, atol=1e-2)
 
 
-def test_resolve_defaults_to_cuda_only():
+def test_resolve_is_opt_in():
     assert wgrad_fusion.resolve(False) is False
+    assert wgrad_fusion.resolve(None) is False  # measured slower on the H200: opt-in
     if not torch.cuda.is_available():
-        assert wgrad_fusion.resolve(None) is False  # no gain on the CPU, so auto leaves it off
-        assert wgrad_fusion.resolve(True) is True  # but it runs (the test below)
+        assert wgrad_fusion.resolve(True) is True  # runs on the CPU too (the test below)
 
 
 def _main_grads(ddp, model, batch):

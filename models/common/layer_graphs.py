@@ -172,6 +172,15 @@ class DecoderGraphs:
         for i, layer in enumerate(self.layers):
             layer.forward = functools.partial(self._forward, i)
 
+    def close(self) -> None:
+        """Give the layers their eager forward back and drop the graphs and their memory pool
+        (the layers and this object reference each other; a later run in the same process, such
+        as the benchmark's transformers baseline, needs that memory)."""
+        for layer in self.layers:
+            layer.__dict__.pop("forward", None)
+        self.graphs, self.static, self._current = None, None, None
+        self.eager = []
+
     # ------------------------------------------------------------------ per micro-batch
     def _forward(self, i: int, hidden_states, **kw):
         params = kw.get("packed_seq_params")

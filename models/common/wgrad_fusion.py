@@ -11,6 +11,10 @@ torch's ``addmm`` with ``out_dtype=float32`` does the same GEMM as Apex's kernel
 fp32 accumulation, beta = 1 into the fp32 buffer. ``install()`` hands megatron a stand-in
 module with Apex's two entry points built on it. The result differs from the unfused path
 only in that the weight gradient is not rounded to bf16 before it is added (more exact).
+
+Measured on the H200 (2B recipe, torch 2.11, docs/benchmarks/README.md, session 5) it is
+slower, not faster: 0.377 s/step with it, 0.342 s without. So ``null`` leaves it off; it stays
+available (``true``) for the exact fp32 accumulation and for other GPUs and torch releases.
 """
 
 from __future__ import annotations
@@ -60,10 +64,11 @@ def unavailable_reason() -> str | None:
 
 
 def resolve(requested: bool | None) -> bool:
-    """model.grad_accum_fusion: null -> on for CUDA where it runs; true -> on, or a clear error."""
+    """model.grad_accum_fusion: null -> off (measured slower on the H200, see the module doc);
+    true -> on, or a clear error."""
     reason = unavailable_reason()
     if requested is None:
-        return torch.cuda.is_available() and reason is None
+        return False
     if requested and reason is not None:
         raise RuntimeError(f"model.grad_accum_fusion=true cannot run: {reason}; set it to null or false")
     return bool(requested)
