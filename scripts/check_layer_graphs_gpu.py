@@ -56,6 +56,38 @@ def check_padded_gdn() -> dict:
             "chunk_rows_static": int(static.chunks.shape[0]), "chunk_size": FLA_CHUNK_SIZE}
 
 
+def trainer_model_and_batches(config: str, overrides: list[str], micro_batches: int):
+    """The model as the trainer builds it with train.cuda_graphs (side stream, bf16, DDP, the
+    recipe's weight-gradient fusion) and the recipe's first packed micro-batches on the GPU.
+    Returns (cfg, model, ddp, fused linear layers, batches)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from data.loader import MicroBatchIterator, build_dataset
+    from models import get_model_builder
+    from models.common import layer_graphs, wgrad_fusion
+    from multimodal.config import load_config, resolve_sources
+    from multimodal.forward_step import to_device
+    from multimodal.platform import init_distributed, seed_everything
+
+    cfg = load_config(config, overrides)
+    resolve_sources(cfg)
+    init_distributed()
+    ps.initialize_model_parallel(1, 1)
+    seed_everything(0)
+    m, t = cfg.model, cfg.train
+    layer_graphs.use_side_stream()
+    model = get_model_builder(m.name)(m, cfg.parallel, torch.bfloat16).cuda()
+    ddp = DistributedDataParallel(config=model.config, module=model,
+                                  ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
+    fused = wgrad_fusion.enable(ddp) if wgrad_fusion.resolve(m.grad_accum_fusion) else 0
+    dataset = build_dataset(m, cfg.data, t.seq_length)
+    loader = iter(MicroBatchIterator(dataset, t.seq_length, m.pad_token_id, m.image_token_id,
+                                     m.vision.spatial_merge_size, True, 1, 0, 1))
+    batches = [to_device(next(loader), torch.device("cuda"), torch.bfloat16) for _ in range(micro_batches)]
+    return cfg, model, ddp, fused, batches
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="configs/qwen35_vl_2b.yaml")
@@ -67,34 +99,17 @@ def main(argv=None) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    from data.loader import MicroBatchIterator, build_dataset
-    from models import get_model_builder
-    from models.common import layer_graphs, wgrad_fusion
-    from multimodal.config import load_config, resolve_sources
-    from multimodal.forward_step import packed_seq_params, to_device
-    from multimodal.platform import init_distributed, seed_everything
+    from models.common import layer_graphs
+    from multimodal.forward_step import packed_seq_params
 
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     result.update(check_padded_gdn())
     print(json.dumps(result), flush=True)
 
-    cfg = load_config(args.config, args.overrides)
-    resolve_sources(cfg)
-    init_distributed()
-    ps.initialize_model_parallel(1, 1)
-    seed_everything(0)
-    m, t = cfg.model, cfg.train
-    layer_graphs.use_side_stream()
-    model = get_model_builder(m.name)(m, cfg.parallel, torch.bfloat16).cuda()
-    ddp = DistributedDataParallel(config=model.config, module=model,
-                                  ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
-    result["fused_wgrad_layers"] = wgrad_fusion.enable(ddp) if wgrad_fusion.resolve(m.grad_accum_fusion) else 0
-    dataset = build_dataset(m, cfg.data, t.seq_length)
-    loader = iter(MicroBatchIterator(dataset, t.seq_length, m.pad_token_id, m.image_token_id,
-                                     m.vision.spatial_merge_size, True, 1, 0, 1))
-    batches = [to_device(next(loader), torch.device("cuda"), torch.bfloat16) for _ in range(args.micro_batches)]
+    cfg, model, ddp, fused, batches = trainer_model_and_batches(args.config, args.overrides, args.micro_batches)
+    t = cfg.train
+    result["fused_wgrad_layers"] = fused
     result["samples_per_row"] = [len(b["sample_lengths"]) for b in batches]
 
     def micro_batch(batch):

@@ -69,36 +69,16 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*")
     ap.add_argument("--json")
     args = ap.parse_intermixed_args(argv)
-    from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    from data.loader import MicroBatchIterator, build_dataset
     from kernels.gated_delta_rule import chunk_gated_delta_rule
-    from models import get_model_builder
-    from models.common import layer_graphs, wgrad_fusion
     from models.common.attention import attention
     from models.common.layer_graphs import StaticBatch
     from models.qwen35_vl.attention import MRopeSelfAttention
     from models.qwen35_vl.mrope import mrope_angles
-    from multimodal.config import load_config, resolve_sources
-    from multimodal.forward_step import packed_seq_params, to_device
-    from multimodal.platform import init_distributed, seed_everything
+    from multimodal.forward_step import packed_seq_params
+    from scripts.check_layer_graphs_gpu import trainer_model_and_batches
 
-    cfg = load_config(args.config, args.overrides)
-    resolve_sources(cfg)
-    init_distributed()
-    ps.initialize_model_parallel(1, 1)
-    seed_everything(0)
+    cfg, model, ddp, fused, (batch,) = trainer_model_and_batches(args.config, args.overrides, 1)
     m, t = cfg.model, cfg.train
-    layer_graphs.use_side_stream()
-    model = get_model_builder(m.name)(m, cfg.parallel, torch.bfloat16).cuda()
-    ddp = DistributedDataParallel(config=model.config, module=model,
-                                  ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
-    fused = wgrad_fusion.enable(ddp) if wgrad_fusion.resolve(m.grad_accum_fusion) else 0
-    dataset = build_dataset(m, cfg.data, t.seq_length)
-    batch = to_device(next(iter(MicroBatchIterator(dataset, t.seq_length, m.pad_token_id, m.image_token_id,
-                                                   m.vision.spatial_merge_size, True, 1, 0, 1))),
-                      torch.device("cuda"), torch.bfloat16)
     params = packed_seq_params(batch)
     pos = batch["position_ids"]
     lm = model.language_model
