@@ -111,3 +111,26 @@ class MemoryTools:
                 self.recording = False
         if self.gc_interval > 0 and self.gc_was_enabled:
             gc.enable()
+
+
+def activation_bytes_held(forward, exclude: set[int] = frozenset()):
+    """Run ``forward()``; return (its output, the bytes of the distinct storages autograd holds
+    for the backward when it returns). Storages whose data_ptr is in ``exclude`` (pass the
+    parameters') are not counted, nor those selective recompute has discarded (resized to 0
+    bytes by then). This is the step's activation memory, exactly and on any device, without
+    the allocator's workspaces and fragmentation that a CUDA peak adds."""
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = forward()
+    storages = {}
+    for t in saved:
+        storage = t.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in exclude:
+            storages[storage.data_ptr()] = storage.nbytes()
+    return out, sum(storages.values())
+

@@ -45,6 +45,16 @@ def check_modules(modules: list[str], cp: int = 1) -> str | None:
     return None
 
 
+def sweep_choices(model_cfg) -> list[list[str]]:
+    """The recompute choices a memory sweep compares: none, each module this model has alone,
+    then all of them together."""
+    choices = [[], ["layernorm"], ["gdn_qkv"], ["gdn_norm_out"], ["core_attn"]]
+    if model_cfg.num_experts and model_cfg.moe_shared_expert_intermediate_size:
+        choices.append(["shared_experts"])
+    choices.append(sorted({m for c in choices for m in c}))
+    return choices
+
+
 def apply_recompute(model: torch.nn.Module, modules: list[str]) -> int:
     """Turn on recompute for ``modules`` in every decoder layer of ``model``; returns the number
     of blocks changed."""

@@ -215,14 +215,25 @@ def train(cfg: Config) -> TrainResult:
 
 
 def _train(cfg: Config, rt: Runtime) -> TrainResult:
-    t, m = cfg.train, cfg.model
+    t = cfg.train
     seed_everything(t.seed)
     use_deterministic_algorithms(t.deterministic)
     # before the model is built, so the allocator history shows parameters and optimizer state too
     mem = MemoryTools(cfg.logging, rt.is_cuda, dist.get_rank()).start()
     dtype = resolve_dtype(t.precision, rt)
+    previous_stream = None
     if t.cuda_graphs and rt.is_cuda:
-        layer_graphs.use_side_stream()  # before DDP creates its gradient accumulator nodes
+        previous_stream = layer_graphs.use_side_stream()  # before DDP creates its gradient accumulator nodes
+    try:
+        return _build_and_loop(cfg, rt, dtype, mem)
+    finally:
+        if previous_stream is not None:
+            torch.cuda.current_stream().synchronize()
+            torch.cuda.set_stream(previous_stream)
+
+
+def _build_and_loop(cfg: Config, rt: Runtime, dtype: torch.dtype, mem: MemoryTools) -> TrainResult:
+    t, m = cfg.train, cfg.model
     model, ddp, optimizer, scheduler = build_model_and_optimizer(cfg, rt, dtype)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     num_microbatches = t.global_batch_size // (t.micro_batch_size * dp_size)

@@ -299,16 +299,14 @@ def recompute_sweep(args, out_dir: str, forced: list[str], rt) -> dict:
     """Ours once per recompute choice (fresh model each time): the memory each module saves."""
     from multimodal.config import load_config, resolve_sources
 
-    probe = load_config(args.config, args.overrides)
-    choices = [[], ["layernorm"], ["gdn_qkv"], ["gdn_norm_out"], ["core_attn"]]
-    if probe.model.num_experts and probe.model.moe_shared_expert_intermediate_size:
-        choices.append(["shared_experts"])
-    choices.append(sorted({m for c in choices for m in c}))
+    from multimodal.recompute import sweep_choices
+
     out = {}
-    for mods in choices:
+    for mods in sweep_choices(load_config(args.config, args.overrides).model):
         name = ",".join(mods) or "none"
         d = Path(out_dir) / f"recompute_{name.replace(',', '+')}"
-        cfg = load_config(args.config, [f"logging.dir={d}", *args.overrides, *forced,
+        # every row eager: CUDA graphs (on in the 2B recipe) cannot be combined with recompute
+        cfg = load_config(args.config, [f"logging.dir={d}", *args.overrides, *forced, "train.cuda_graphs=false",
                                         f"train.recompute_modules=[{','.join(mods)}]"])
         resolve_sources(cfg)
         gc.collect()

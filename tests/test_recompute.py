@@ -11,6 +11,7 @@ from data.mock import MockDataset
 from models import get_model_builder
 from multimodal.config import ConfigError, load_config, validate
 from multimodal.forward_step import packed_seq_params
+from multimodal.memory import activation_bytes_held
 from multimodal.recompute import apply_recompute, check_modules
 
 
@@ -29,21 +30,10 @@ def _model_and_batch(path, overrides=()):
 def _step(model, batch):
     """Loss and all gradients; also the bytes of distinct storages autograd keeps for backward."""
     model.zero_grad(set_to_none=True)
-    saved = []
-
-    def pack(t):
-        saved.append(t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(batch["tokens"], batch["position_ids"], labels=batch["labels"],
-                     pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
-                     packed_seq_params=packed_seq_params(batch))
     # after forward: storages discarded by recompute have been resized to 0 bytes
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved
-                if t.untyped_storage().nbytes()}
-    held = sum(storages.values())
-    del saved
+    loss, held = activation_bytes_held(lambda: model(
+        batch["tokens"], batch["position_ids"], labels=batch["labels"], pixel_values=batch["pixel_values"],
+        image_grid_thw=batch["image_grid_thw"], packed_seq_params=packed_seq_params(batch)))
     (loss * batch["loss_mask"]).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return loss.detach(), grads, held
@@ -113,3 +103,20 @@ def test_recompute_modules_are_validated():
     with pytest.raises(ConfigError, match="train.recompute_modules"):
         validate(load_config("configs/qwen35_vl_proxy.yaml", ["train.recompute_modules=[bogus]"]))
     validate(load_config("configs/qwen35_vl_proxy.yaml", ["train.recompute_modules=[gdn_qkv,layernorm]"]))
+
+
+def test_recompute_memory_script_measures_each_module(mcore):
+    """scripts/recompute_memory.py: activation bytes per recompute choice, on the CPU."""
+    from scripts.recompute_memory import measure
+
+    result = measure("configs/qwen35_vl_proxy.yaml", ["train.seq_length=384", "data.max_text_tokens=96"],
+                     torch.float32)
+    rows = result["choices"]
+    assert set(rows) == {"none", "layernorm", "gdn_qkv", "gdn_norm_out", "core_attn",
+                         "core_attn,gdn_norm_out,gdn_qkv,layernorm"}
+    assert rows["none"]["activation_gib"] > 0 and rows["none"]["saved_gib"] == 0
+    for name in ("layernorm", "gdn_qkv", "gdn_norm_out"):  # discard-output blocks free their outputs
+        assert rows[name]["saved_gib"] > 0, name
+    everything = rows["core_attn,gdn_norm_out,gdn_qkv,layernorm"]["saved_gib"]
+    assert everything >= max(r["saved_gib"] for r in rows.values()) - 1e-9
+
