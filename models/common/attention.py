@@ -17,6 +17,7 @@ Asking for a backend that cannot run raises; ``auto`` falling back logs once, lo
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 
@@ -118,9 +119,15 @@ def _sdpa_packed(q, k, v, cu_seqlens, causal, scale):
     return out.squeeze(0).transpose(0, 1)
 
 
+@functools.cache
+def _varlen_params() -> frozenset[str]:
+    # read once: inspect.signature costs tens of microseconds of host time per call
+    return frozenset(inspect.signature(_varlen_fn()).parameters)
+
+
 def _varlen(q, k, v, cu_seqlens, max_seqlen, causal, scale):
     fn = _varlen_fn()
-    params = inspect.signature(fn).parameters
+    params = _varlen_params()
     kwargs = {"scale": scale}
     if "is_causal" in params:
         kwargs["is_causal"] = causal

@@ -375,14 +375,17 @@ def refusal(cfg) -> str | None:
     return None
 
 
-def use_side_stream() -> None:
+def use_side_stream() -> torch.cuda.Stream:
     """Run this thread's GPU work on a new stream; call it before the model and DDP are built.
 
     A graph cannot be captured on the default stream, and the backward graphs must be captured
     on the stream where megatron's DDP created its gradient accumulator nodes (autograd syncs a
     node's stream with its producer's; across streams that wait breaks the capture). So the
-    whole training runs on one side stream and the graphs are captured on it."""
+    whole training runs on one side stream and the graphs are captured on it. Returns the stream
+    that was current before, to restore when training ends."""
+    previous = torch.cuda.current_stream()
     torch.cuda.set_stream(torch.cuda.Stream())
+    return previous
 
 
 def install(language_model, max_samples: int, graph_factory=None) -> DecoderGraphs:
