@@ -35,7 +35,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-TOP_N = 30
+TOP_N = 60
 
 # First match wins; names are CUDA kernel names (cuBLAS/CUTLASS, flash-attention, Triton
 # kernels of flash-linear-attention and of ours, tilelang, NCCL, PyTorch's own kernels).
