@@ -190,7 +190,12 @@ class TrainConfig:
     # removes most of the host's kernel-launch time. GPU, dense models, packed rows, pp=tp=cp=1,
     # no recompute. Rows with more samples than cuda_graph_max_samples run eagerly (counted).
     cuda_graphs: bool = False
-    cuda_graph_max_samples: int = 64
+    cuda_graph_max_samples: int = 64  # per packed row (decoder) and images per micro-batch (vision)
+    # The vision encoder too (models/qwen35_vl/vision_graphs.py): its input padded up to a multiple
+    # of this many patches, one graph pair per bucket, at most cuda_graph_vision_max_buckets of
+    # them (further sizes run eagerly, counted). 0 = the vision encoder stays eager.
+    cuda_graph_vision_bucket: int = 1024
+    cuda_graph_vision_max_buckets: int = 8
 
 
 @dataclass
@@ -367,6 +372,11 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         why = refusal(cfg)
         _require(why is None, f"train.cuda_graphs: {why}")
         _require(t.cuda_graph_max_samples >= 1, "train.cuda_graph_max_samples must be >= 1")
+        merge2 = m.vision.spatial_merge_size**2
+        _require(t.cuda_graph_vision_bucket >= 0 and t.cuda_graph_vision_bucket % merge2 == 0,
+                 f"train.cuda_graph_vision_bucket must be 0 (vision eager) or a positive multiple of "
+                 f"model.vision.spatial_merge_size^2 = {merge2}, got {t.cuda_graph_vision_bucket}")
+        _require(t.cuda_graph_vision_max_buckets >= 1, "train.cuda_graph_vision_max_buckets must be >= 1")
     if t.recompute_modules:
         from multimodal.recompute import check_modules
 

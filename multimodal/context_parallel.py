@@ -40,6 +40,13 @@ class PackedRowParams(PackedSeqParams):
     loss_token_index: torch.Tensor | None = None
 
 
+def segment_boundaries(params: PackedSeqParams) -> torch.Tensor:
+    """The cumulative token offsets of a packed row's samples as the kernels must see them: the
+    padded ones (each sample padded for CP or for the GDN chunk size) when given, else the real ones."""
+    cu = params.cu_seqlens_q_padded
+    return params.cu_seqlens_q if cu is None else cu
+
+
 @dataclass
 class CPPackedSeqParams(PackedRowParams):
     """PackedSeqParams plus what the head-parallel mixers need under context parallelism.

@@ -85,7 +85,12 @@ def build_model_and_optimizer(cfg: Config, rt: Runtime, dtype: torch.dtype):
     if cfg.train.cuda_graphs:  # after the fusion: the graphs capture its main_grad writes
         if not rt.is_cuda:
             raise ConfigError("train.cuda_graphs=true needs a GPU; set it to false here")
-        model.decoder_graphs = layer_graphs.install(model.language_model, cfg.train.cuda_graph_max_samples)
+        t = cfg.train
+        model.decoder_graphs = layer_graphs.install(model.language_model, t.cuda_graph_max_samples)
+        vision = getattr(model, "vision_model", None)
+        if t.cuda_graph_vision_bucket and hasattr(vision, "install_cuda_graphs"):  # the model's own router
+            model.vision_graphs = vision.install_cuda_graphs(t.cuda_graph_vision_bucket, t.cuda_graph_vision_max_buckets,
+                                                             t.cuda_graph_max_samples)
     o = cfg.optimizer
     opt_cfg = McoreOptimizerConfig(
         optimizer=o.name,
@@ -126,6 +131,11 @@ def build_model_and_optimizer(cfg: Config, rt: Runtime, dtype: torch.dtype):
     tcfg.grad_scale_func = optimizer.scale_loss
     check_gradient_scaling(ddp)
     return model, ddp, optimizer, scheduler
+
+
+def _graphs_of(model) -> list:
+    """The decoder's and the vision encoder's CUDA graph routers that training installed."""
+    return [g for g in (getattr(model, "decoder_graphs", None), getattr(model, "vision_graphs", None)) if g is not None]
 
 
 def finalize_grads(model, num_tokens, pg_collection=None, force_all_reduce=False):
@@ -263,8 +273,8 @@ def _build_and_loop(cfg: Config, rt: Runtime, dtype: torch.dtype, mem: MemoryToo
     try:
         return _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microbatches, dtype, mem)
     finally:
-        if getattr(model, "decoder_graphs", None) is not None:
-            model.decoder_graphs.close()
+        for graphs in _graphs_of(model):
+            graphs.close()
         mem.close()
         if batches is not loader:
             batches.close()
@@ -315,9 +325,8 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
             if it % cfg.logging.interval == 0 or it == t.iters:
                 metrics = _log_metrics(it, report, grad_norm, scheduler, window, peak, rt)
                 metrics["param_norm"] = _param_norm(model)
-                graphs = getattr(model, "decoder_graphs", None)
-                if graphs is not None:  # micro-batches that ran the eager layers instead (logged once per reason)
-                    metrics["cuda_graph_eager_batches"] = sum(graphs.eager_batches.values())
+                if _graphs_of(model):  # micro-batches that ran eager layers instead (logged once per reason)
+                    metrics["cuda_graph_eager_batches"] = sum(sum(g.eager_batches.values()) for g in _graphs_of(model))
                 result.losses[it] = metrics["loss"]
                 sink.log(it, metrics)
                 report.zero_()

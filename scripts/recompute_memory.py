@@ -15,6 +15,7 @@ one GDN, GDN, GDN, attention block) and scale.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from pathlib import Path
@@ -57,6 +58,9 @@ def measure(config: str, overrides: list[str], dtype: torch.dtype) -> dict:
             image_grid_thw=batch["image_grid_thw"], packed_seq_params=packed_seq_params(batch)), params)
         rows[",".join(modules) or "none"] = {"activation_gib": held / 2**30}
         del model, loss
+        gc.collect()  # the model's modules reference each other: free it before the next one is built
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     base = rows["none"]["activation_gib"]
     for row in rows.values():
         row["saved_gib"] = base - row["activation_gib"]

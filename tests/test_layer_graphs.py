@@ -130,3 +130,83 @@ def test_config_refuses_what_graphs_cannot_replay(override, message):
     moe = load_config("configs/qwen35_vl_proxy_moe.yaml", ["train.cuda_graphs=true"])
     with pytest.raises(ConfigError, match="MoE"):
         validate(moe)
+
+
+# ----------------------------------------------------------------------------- vision encoder
+
+
+def _assert_rounding_close(grads, want):
+    """Padded rows can change the CPU GEMMs' blocking (M = 44 and 64 take different kernels), so
+    sums round differently: the gradients as a whole, and the vision encoder's own, agree to fp32
+    rounding (a padding row attended to, or a gradient lost, is O(1)). Small gradients whose terms
+    cancel (dt_bias) amplify the rounding, so they are not checked one by one."""
+    flat = lambda d: torch.cat([t.flatten() for t in d.values()])  # noqa: E731
+    assert float((flat(grads) - flat(want)).norm() / flat(want).norm()) < 1e-6
+    for name, g in want.items():
+        assert g.abs().sum() > 0, name
+        if "vision_model" in name:
+            rel = float((grads[name] - g).norm() / g.norm())
+            assert rel < 1e-5, f"{name}: relative difference {rel:.2e}"
+
+
+def test_vision_bucket_pads_segments_and_positions():
+    from models.qwen35_vl.vision import VisionGeometry
+    from models.qwen35_vl.vision_graphs import _Bucket
+
+    cu = torch.tensor([0, 16, 44], dtype=torch.int32)
+    geo = VisionGeometry(cu_seqlens=cu, max_seqlen=28, rot_pos=None, interp_index=None, interp_weight=None)
+    pos = torch.arange(3 * 44).reshape(3, 44)
+    inv = torch.ones(4)
+    bucket = _Bucket(64, 4, (pos, inv, (0, 2, 2)), 8, torch.float32, "cpu")
+    bucket.load((pos, inv, (0, 2, 2)), geo, 44)
+    # two images, then the padding rows [44, 64) as a segment of their own, then empty segments
+    assert bucket.cu.tolist() == [0, 16, 44, 64, 64, 64]
+    assert bucket.geo.max_seqlen == 64 and bucket.geo.cu_seqlens is bucket.cu
+    assert torch.equal(bucket.pos[:, :44], pos) and not bucket.pos[:, 44:].any()
+    assert bucket.angles[0] is bucket.pos and bucket.angles[2] == (0, 2, 2)
+    angles = torch.randn(44, 1, 8)  # the reference rotary's angles
+    ref = _Bucket(64, 4, angles, 8, torch.float32, "cpu")
+    ref.load(angles, geo, 44)
+    assert torch.equal(ref.angles[:44], angles) and not ref.angles[44:].any()
+
+
+@pytest.mark.parametrize("with_decoder", [False, True])
+def test_graphed_vision_encoder_equals_eager(mcore, with_decoder):
+    model, ddp, batches = _setup()
+    # 44, 16 and 112 patches -> buckets of 64, 32 and 128 rows
+    assert [b["pixel_values"].shape[0] for b in batches] == [44, 16, 112]
+    eager_losses, eager_grads = _accumulate(ddp, model, batches)
+    if with_decoder:
+        layer_graphs.install(model.language_model, max_samples=4, graph_factory=layer_graphs.EagerStandIn)
+    graphs = model.vision_model.install_cuda_graphs(32, 8, 8, graph_factory=layer_graphs.EagerStandIn)
+    for _ in range(2):  # the first pass captures each bucket, the second only replays
+        losses, grads = _accumulate(ddp, model, batches)
+        for a, b in zip(losses, eager_losses):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        _assert_rounding_close(grads, eager_grads)
+    assert graphs.failed is None and not graphs.eager_batches
+    assert sorted(graphs.buckets) == [32, 64, 128] and graphs.graphed_batches == 6
+
+
+def test_vision_micro_batches_that_do_not_fit_run_eagerly_and_are_counted(mcore):
+    model, ddp, batches = _setup()
+    eager_losses, eager_grads = _accumulate(ddp, model, batches)
+    # one bucket at most; at most 4 images: batch 0 (4 images, 64 rows) is captured, batch 1
+    # (a 32-row bucket) is beyond the bucket limit, batch 2 (6 images) has too many images
+    graphs = model.vision_model.install_cuda_graphs(32, 1, 4, graph_factory=layer_graphs.EagerStandIn)
+    losses, grads = _accumulate(ddp, model, batches)
+    assert graphs.graphed_batches == 1 and list(graphs.buckets) == [64]
+    assert graphs.eager_batches == {
+        "a 32-patch bucket beyond train.cuda_graph_vision_max_buckets=1 (raise it or train.cuda_graph_vision_bucket)": 1,
+        "more than train.cuda_graph_max_samples=4 images in a micro-batch": 1}
+    for a, b in zip(losses, eager_losses):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    _assert_rounding_close(grads, eager_grads)
+    graphs.close()
+    assert "blocks_and_merger" not in model.vision_model.__dict__ and not graphs.buckets
+
+
+def test_config_checks_the_vision_bucket():
+    cfg = load_config("configs/qwen35_vl_proxy.yaml", ["train.cuda_graphs=true", "train.cuda_graph_vision_bucket=30"])
+    with pytest.raises(ConfigError, match="cuda_graph_vision_bucket must be 0"):
+        validate(cfg)

@@ -16,7 +16,7 @@ How:
   (Triton autotuning, torch.compile), then the forward graphs of all layers in
   order and their backward graphs in reverse order, in one memory pool, which is the order
   training replays them in (PP = 1: each micro-batch's backward follows its forward).
-- Replay: ``_Replay`` is the autograd node of a graphed layer: forward copies the hidden state
+- Replay: ``Replay`` is the autograd node of a graphed layer: forward copies the hidden state
   in and replays; backward copies the gradient in, replays, and hands autograd the input
   gradient and the parameter gradients. With ``model.grad_accum_fusion`` the linear layers'
   weight gradients are added into ``main_grad`` inside the backward graph; those parameters
@@ -26,11 +26,13 @@ How:
   one warning per reason; a capture that fails logs why and training stays eager.
 
 Unsupported (config validation refuses them): CPU, pipeline, tensor or context parallelism,
-MoE layers, selective recompute. The vision encoder, embeddings and loss stay eager.
+MoE layers, selective recompute. The vision encoder has its own graphs, one per patch-count
+bucket (models/qwen35_vl/vision_graphs.py); embeddings and loss stay eager.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import logging
@@ -40,7 +42,7 @@ from collections import Counter
 import torch
 
 from kernels.gated_delta_rule import FLA_CHUNK_SIZE, GDNVarlen
-from multimodal.context_parallel import PackedRowParams, cp_info
+from multimodal.context_parallel import PackedRowParams, cp_info, segment_boundaries
 
 log = logging.getLogger(__name__)
 WARMUP_ITERS = 2
@@ -67,7 +69,7 @@ class StaticBatch:
         """None if this micro-batch fits the buffers, else why not."""
         if rope is None or rope.shape != self.rope.shape or rope.dtype != self.rope.dtype:
             return "MRoPE input of another shape"
-        samples = _boundaries(params).numel() - 1
+        samples = segment_boundaries(params).numel() - 1
         if samples > self.max_samples:
             return f"more than train.cuda_graph_max_samples={self.max_samples} samples in a row"
         varlen = params.gdn_varlen
@@ -79,7 +81,7 @@ class StaticBatch:
 
     def load(self, params, rope) -> None:
         """Copy a micro-batch's metadata in (device to device, no host sync)."""
-        cu = _boundaries(params)
+        cu = segment_boundaries(params)
         n = cu.numel()
         self.cu32[:n].copy_(cu, non_blocking=True)
         self.cu32[n:].fill_(self.seq)
@@ -91,12 +93,7 @@ class StaticBatch:
         self.rope.copy_(rope, non_blocking=True)
 
 
-def _boundaries(params) -> torch.Tensor:
-    cu = params.cu_seqlens_q_padded
-    return params.cu_seqlens_q if cu is None else cu
-
-
-class _LayerGraph:
+class LayerGraph:
     """One layer's forward and backward graphs and their static tensors."""
 
     def __init__(self, params: list[torch.nn.Parameter], fused: set[int]):
@@ -119,9 +116,9 @@ class _LayerGraph:
         return out
 
 
-class _Replay(torch.autograd.Function):
+class Replay(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, graph: _LayerGraph, hidden: torch.Tensor, *params):
+    def forward(ctx, graph: LayerGraph, hidden: torch.Tensor, *params):
         ctx.graph = graph
         graph.static_in.copy_(hidden)
         graph.fwd.replay()
@@ -135,19 +132,20 @@ class _Replay(torch.autograd.Function):
         return (None, graph.static_grads[0], *graph.param_grads())
 
 
-class _fla_cache_off:
+@contextlib.contextmanager
+def _fla_cache_off():
     """fla memoises per-tensor metadata (chunk offsets) by object identity; over static buffers
     whose contents change that would bake the warm-up batch's values into the graphs."""
-
-    def __enter__(self):
-        self.module = sys.modules.get("fla.utils")
-        if self.module is not None:
-            self.saved = getattr(self.module, "FLA_DISABLE_TENSOR_CACHE", False)
-            self.module.FLA_DISABLE_TENSOR_CACHE = True
-
-    def __exit__(self, *exc):
-        if self.module is not None:
-            self.module.FLA_DISABLE_TENSOR_CACHE = self.saved
+    module = sys.modules.get("fla.utils")
+    if module is None:
+        yield
+        return
+    saved = getattr(module, "FLA_DISABLE_TENSOR_CACHE", False)
+    module.FLA_DISABLE_TENSOR_CACHE = True
+    try:
+        yield
+    finally:
+        module.FLA_DISABLE_TENSOR_CACHE = saved
 
 
 def _fused_linears(layer: torch.nn.Module) -> list[torch.nn.Module]:
@@ -164,7 +162,7 @@ class DecoderGraphs:
         self.eager = [layer.forward for layer in self.layers]
         self._new_graph = graph_factory or (lambda: torch.cuda.CUDAGraph())
         self.static: StaticBatch | None = None
-        self.graphs: list[_LayerGraph] | None = None
+        self.graphs: list[LayerGraph] | None = None
         self.failed: str | None = None
         self.eager_batches: Counter = Counter()  # reason -> micro-batches run eagerly
         self.graphed_batches = 0
@@ -189,7 +187,7 @@ class DecoderGraphs:
         if self._current is None or params is not self._current:
             return self.eager[i](hidden_states=hidden_states, **kw)
         graph = self.graphs[i]
-        return _Replay.apply(graph, hidden_states, *graph.params), kw.get("context")
+        return Replay.apply(graph, hidden_states, *graph.params), kw.get("context")
 
     def _begin(self, hidden, kw):
         reason = self._refusal(hidden, kw)
@@ -247,14 +245,14 @@ class DecoderGraphs:
                  "up to %d samples", len(self.graphs), static.seq, static.max_samples)
         return None
 
-    def _capture(self, hidden, kw, static: StaticBatch) -> list[_LayerGraph]:
+    def _capture(self, hidden, kw, static: StaticBatch) -> list[LayerGraph]:
         layer_kw = dict(kw, packed_seq_params=static.params, rotary_pos_emb=static.rope, padding_mask=None)
         fns = [functools.partial(self._layer_output, eager, layer_kw) for eager in self.eager]
         graphs = []
         for layer in self.layers:
             params = [p for p in layer.parameters() if p.requires_grad]
             fused_weights = {id(m.weight) for m in _fused_linears(layer)}
-            graphs.append(_LayerGraph(params, {j for j, p in enumerate(params) if id(p) in fused_weights}))
+            graphs.append(LayerGraph(params, {j for j, p in enumerate(params) if id(p) in fused_weights}))
         fused_modules = [m for layer in self.layers for m in _fused_linears(layer)]
         flags = {id(p): getattr(p, "grad_added_to_main_grad", None) for g in graphs for p in g.params}
         on_gpu = hidden.is_cuda
@@ -285,12 +283,12 @@ class DecoderGraphs:
                 # input and output gradient make its fused main_grad adds exact no-ops
                 graph.static_in = torch.zeros_like(hidden).requires_grad_(True)
                 graph.fwd = self._new_graph()
-                graph.static_out = _record(graph.fwd, functools.partial(fn, graph.static_in), pool)
+                graph.static_out = record(graph.fwd, functools.partial(fn, graph.static_in), pool)
             for i, graph in reversed(list(enumerate(graphs))):
                 self._phase = f"backward of layer {i}"
                 graph.static_grad_out = torch.zeros_like(graph.static_out)
                 graph.bwd = self._new_graph()
-                graph.static_grads = _record(graph.bwd, functools.partial(_layer_backward, graph), pool)
+                graph.static_grads = record(graph.bwd, functools.partial(graph_backward, graph), pool)
         for g in graphs:  # capturing ran megatron's backward once: undo its flag side effects
             for p in g.params:
                 if flags[id(p)] is not None:
@@ -320,13 +318,13 @@ def _warm_fused_wgrad(modules, hidden) -> None:
         wgrad_gemm_accum_fp32(x, g, torch.zeros(shape, dtype=torch.float32, device=hidden.device))
 
 
-def _layer_backward(graph: _LayerGraph):
+def graph_backward(graph: LayerGraph):
     # the test stand-in (EagerStandIn) re-runs the forward at each replay: use its latest output
     out = getattr(graph.fwd, "latest", graph.static_out)
     return torch.autograd.grad(out, (graph.static_in, *graph.params), graph.static_grad_out, allow_unused=True)
 
 
-def _record(graph, fn, pool):
+def record(graph, fn, pool):
     """Capture ``fn`` into ``graph`` and return its (static) outputs."""
     if isinstance(graph, torch.cuda.CUDAGraph):
         # On the trainer's own stream: the backward then meets DDP's gradient accumulator nodes

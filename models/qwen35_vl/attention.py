@@ -19,7 +19,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from kernels import fused_mrope
 from models.common.attention import attention
-from multimodal.context_parallel import cp_info, heads_to_tokens, split_heads, tokens_to_heads
+from multimodal.context_parallel import cp_info, heads_to_tokens, segment_boundaries, split_heads, tokens_to_heads
 from models.qwen35_vl.mrope import apply_rotary, axis_of_frequency, mrope_angles
 
 
@@ -82,9 +82,7 @@ class CoreAttention(MegatronModule):
         if cp is not None:
             return self._context_parallel(query, key, value, cp)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            cu = packed_seq_params.cu_seqlens_q_padded
-            if cu is None:
-                cu = packed_seq_params.cu_seqlens_q
+            cu = segment_boundaries(packed_seq_params)
             q, k, v = (t.reshape(t.shape[0], t.shape[-2], t.shape[-1]) for t in (query, key, value))
             out = attention(
                 q, k, v, causal=True, scale=self.scale, cu_seqlens=cu,

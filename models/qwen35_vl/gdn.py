@@ -20,7 +20,7 @@ from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
 from kernels import fused_pre_gdr
 from kernels import gated_delta_rule as gdr
-from multimodal.context_parallel import cp_info, heads_to_tokens, tokens_to_heads
+from multimodal.context_parallel import cp_info, heads_to_tokens, segment_boundaries, tokens_to_heads
 
 
 class Qwen35GatedDeltaNet(GatedDeltaNet):
@@ -36,9 +36,7 @@ class Qwen35GatedDeltaNet(GatedDeltaNet):
                 sequence_len_offset=None, **kwargs):
         cu_seqlens, varlen = None, None
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            cu_seqlens = packed_seq_params.cu_seqlens_q_padded
-            if cu_seqlens is None:
-                cu_seqlens = packed_seq_params.cu_seqlens_q
+            cu_seqlens = segment_boundaries(packed_seq_params)
             varlen = getattr(packed_seq_params, "gdn_varlen", None)  # forward_step builds it once per micro-batch
 
         proj, _ = self.in_proj(hidden_states)  # [S, B, D_local] (S gathered under SP)

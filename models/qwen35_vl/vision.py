@@ -153,6 +153,17 @@ class VisionEncoder(nn.Module):
                 angles = (pos, torch.cat([self.inv_freq, self.inv_freq]), (0, n, n))
             else:
                 fused_mrope.warn_fallback(reason)
+        return self.blocks_and_merger(x, angles, geo)
+
+    def install_cuda_graphs(self, bucket: int, max_buckets: int, max_images: int, graph_factory=None):
+        """Replay blocks_and_merger as CUDA graphs per patch-count bucket (train.cuda_graphs)."""
+        from models.qwen35_vl import vision_graphs  # noqa: PLC0415 - only when graphs are asked for
+
+        return vision_graphs.install(self, bucket, max_buckets, max_images, graph_factory)
+
+    def blocks_and_merger(self, x: torch.Tensor, angles, geo: VisionGeometry) -> torch.Tensor:
+        """The ViT blocks and the patch merger: [N_patches, hidden] -> [N_patches / merge^2, out].
+        Reads only ``geo.cu_seqlens`` and ``geo.max_seqlen`` (vision_graphs replays it as a graph)."""
         for blk in self.blocks:
             x = blk(x, angles, geo)
         x = self.merger_norm(x).view(-1, self.merger_fc1.in_features)

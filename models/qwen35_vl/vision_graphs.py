@@ -1,0 +1,186 @@
+"""CUDA graphs for the vision encoder's blocks and merger (``train.cuda_graphs``), one graph pair
+per patch-count bucket.
+
+Why: with the decoder layers replayed as graphs, the profile of the 2B step showed the GPU idle
+~47 ms per step (of ~300) inside the eager vision encoder: a micro-batch's few hundred to few
+thousand patches make kernels of microseconds, and the host spends longer issuing each of a
+block's ~60 launches than the GPU spends running it (docs/benchmarks/README.md, session 6).
+
+How:
+- The patch count changes with every micro-batch, so the blocks' input is padded with zero rows
+  up to a multiple of ``bucket`` patches, and each bucket gets one forward and one backward
+  graph, captured the first time it is seen (after two eager warm-up passes).
+- The padding rows form one attention segment of their own, so no real patch attends to them,
+  and their merger outputs are dropped: their gradient is zero and adds nothing to the weight
+  gradients. Real rows compute what the eager encoder computes.
+- Per-image segment offsets (``cu_seqlens``, padded with empty segments up to ``max_images``) and
+  the rotary positions are copied into each bucket's static buffers on the device.
+- All buckets share one memory pool and one set of parameter-gradient buffers: a micro-batch's
+  vision forward and backward end before the next micro-batch's begin, so the buckets'
+  intermediate memory is never live at the same time. Another bucket costs its inputs, outputs
+  and the graphs, not another copy of the activations or the gradients.
+- Loud, counted fallback: more images than ``max_images``, more buckets than ``max_buckets``,
+  no grad, or a failed capture run the eager blocks (one warning per reason, counted in
+  ``cuda_graph_eager_batches``).
+
+The patch embedding and the learned position embedding (a gather) stay eager: two kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import logging
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+
+from models.common.layer_graphs import WARMUP_ITERS, LayerGraph, Replay, graph_backward, record
+from models.qwen35_vl.vision import VisionGeometry
+
+log = logging.getLogger(__name__)
+
+
+class _Bucket:
+    """Static inputs of one padded patch count: the rows, segment offsets and rotary positions."""
+
+    def __init__(self, rows: int, max_images: int, angles, hidden: int, dtype, device):
+        self.rows = rows
+        self.cu = torch.full((max_images + 2,), rows, dtype=torch.int32, device=device)
+        self.geo = VisionGeometry(cu_seqlens=self.cu, max_seqlen=rows, rot_pos=None, interp_index=None,
+                                  interp_weight=None)
+        # fused rotary: (positions [3, N], inv_freq, section); reference rotary: angles [N, 1, D]
+        if isinstance(angles, tuple):
+            pos, inv, section = angles
+            self.pos = torch.zeros((pos.shape[0], rows), dtype=pos.dtype, device=device)
+            self.angles = (self.pos, inv.clone(), section)
+        else:
+            self.pos = torch.zeros((rows, *angles.shape[1:]), dtype=angles.dtype, device=device)
+            self.angles = self.pos
+        self.graph: LayerGraph | None = None
+        self.hidden, self.dtype = hidden, dtype
+
+    def load(self, angles, geo: VisionGeometry, patches: int) -> None:
+        """Copy a micro-batch's offsets and positions in (device to device, no host sync)."""
+        n = geo.cu_seqlens.numel()
+        self.cu[:n].copy_(geo.cu_seqlens, non_blocking=True)
+        self.cu[n:].fill_(self.rows)  # segment n-1: the padding rows; the rest: empty
+        if isinstance(angles, tuple):
+            self.pos[:, :patches].copy_(angles[0], non_blocking=True)
+            self.pos[:, patches:].zero_()
+        else:
+            self.pos[:patches].copy_(angles, non_blocking=True)
+            self.pos[patches:].zero_()
+
+
+class VisionGraphs:
+    """Routes ``encoder.blocks_and_merger`` through per-bucket graphs when the micro-batch fits."""
+
+    def __init__(self, encoder, bucket: int, max_buckets: int, max_images: int, graph_factory=None):
+        if bucket % encoder.merge**2:
+            raise ValueError(f"the vision graph bucket ({bucket} patches) must be a multiple of "
+                             f"spatial_merge_size^2 = {encoder.merge**2}")
+        self.encoder = encoder
+        self.bucket, self.max_buckets, self.max_images = bucket, max_buckets, max_images
+        self.eager = encoder.blocks_and_merger
+        self._new_graph = graph_factory or (lambda: torch.cuda.CUDAGraph())
+        self.buckets: dict[int, _Bucket] = {}
+        self.params = [p for p in encoder.parameters() if p.requires_grad]
+        self.grads: list[torch.Tensor] | None = None  # shared by every bucket's backward graph
+        self.pool = None
+        self.failed: str | None = None
+        self.eager_batches: Counter = Counter()
+        self.graphed_batches = 0
+        encoder.blocks_and_merger = self._run
+
+    def close(self) -> None:
+        """Give the encoder its eager blocks back and free the graphs, their pool and buffers."""
+        self.encoder.__dict__.pop("blocks_and_merger", None)
+        self.buckets, self.grads, self.pool = {}, None, None
+
+    def _run(self, x: torch.Tensor, angles, geo: VisionGeometry) -> torch.Tensor:
+        rows = -(-x.shape[0] // self.bucket) * self.bucket
+        reason = self._refusal(x, geo, rows)
+        bucket = self.buckets.get(rows)
+        if reason is None and bucket is None:
+            bucket, reason = self._try_capture(x, angles, geo, rows)
+        if reason is not None:
+            if reason not in self.eager_batches:
+                log.warning("CUDA graphs: a micro-batch runs the eager vision encoder (%s); counted in "
+                            "cuda_graph_eager_batches", reason)
+            self.eager_batches[reason] += 1
+            return self.eager(x, angles, geo)
+        bucket.load(angles, geo, x.shape[0])
+        self.graphed_batches += 1
+        out = Replay.apply(bucket.graph, F.pad(x, (0, 0, 0, rows - x.shape[0])), *self.params)
+        return out[: x.shape[0] // self.encoder.merge**2]
+
+    def _refusal(self, x, geo, rows) -> str | None:
+        if self.failed is not None:
+            return f"vision capture failed: {self.failed}"
+        if not (torch.is_grad_enabled() and self.encoder.training):
+            return "not training (no grad or eval mode)"
+        if geo.cu_seqlens.numel() - 1 > self.max_images:
+            return f"more than train.cuda_graph_max_samples={self.max_images} images in a micro-batch"
+        if rows not in self.buckets and len(self.buckets) >= self.max_buckets:
+            return (f"a {rows}-patch bucket beyond train.cuda_graph_vision_max_buckets={self.max_buckets} "
+                    "(raise it or train.cuda_graph_vision_bucket)")
+        return None
+
+    def _try_capture(self, x, angles, geo, rows):
+        bucket = _Bucket(rows, self.max_images, angles, x.shape[1], x.dtype, x.device)
+        bucket.load(angles, geo, x.shape[0])
+        try:
+            self._capture(bucket, x)
+        except Exception as e:  # noqa: BLE001 - any capture failure: say so, train on eagerly
+            self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            log.warning("CUDA graphs: vision capture failed, the encoder stays eager: %s", self.failed)
+            self.buckets, self.grads, self.pool = {}, None, None
+            gc.collect()
+            if x.is_cuda:
+                torch.cuda.empty_cache()
+            return None, f"vision capture failed: {self.failed}"
+        self.buckets[rows] = bucket
+        log.info("CUDA graphs: captured the vision encoder (forward and backward) for %d patches "
+                 "(bucket %d of at most %d)", rows, len(self.buckets), self.max_buckets)
+        return bucket, None
+
+    def _capture(self, bucket: _Bucket, x: torch.Tensor) -> None:
+        fn = functools.partial(self.eager, angles=bucket.angles, geo=bucket.geo)
+        if self.grads is None:
+            self.grads = [torch.zeros_like(p) for p in self.params]
+            self.pool = torch.cuda.graph_pool_handle() if x.is_cuda else None
+        graph = LayerGraph(self.params, fused=set())
+        graph.static_in = torch.zeros((bucket.rows, x.shape[1]), dtype=x.dtype, device=x.device,
+                                      requires_grad=True)
+        with torch.no_grad():
+            graph.static_in[: x.shape[0]].copy_(x)  # warm up on real rows (Triton autotuning sees real data)
+        for _ in range(WARMUP_ITERS):
+            out = fn(graph.static_in)
+            torch.autograd.grad(out, (graph.static_in, *self.params), torch.ones_like(out) * 1e-3,
+                                allow_unused=True)
+        del out
+        with torch.no_grad():
+            graph.static_in.zero_()
+        graph.fwd = self._new_graph()
+        graph.static_out = record(graph.fwd, functools.partial(fn, graph.static_in), self.pool)
+        graph.static_grad_out = torch.zeros_like(graph.static_out)
+        graph.bwd = self._new_graph()
+        graph.static_grads = record(graph.bwd, functools.partial(self._backward_into_shared, graph), self.pool)
+        bucket.graph = graph
+
+    def _backward_into_shared(self, graph: LayerGraph) -> tuple:
+        grads = graph_backward(graph)
+        for buf, g in zip(self.grads, grads[1:]):
+            if g is None:
+                buf.zero_()
+            else:
+                buf.copy_(g)
+        return (grads[0], *self.grads)
+
+
+def install(encoder, bucket: int, max_buckets: int, max_images: int, graph_factory=None) -> VisionGraphs:
+    """Route ``encoder``'s blocks and merger through per-bucket CUDA graphs (``use_side_stream()``
+    of models.common.layer_graphs before the model is built, as for the decoder graphs)."""
+    return VisionGraphs(encoder, bucket, max_buckets, max_images, graph_factory)
