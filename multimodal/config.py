@@ -89,6 +89,10 @@ class ModelConfig:
     gdn_pre_impl: str = "auto"  # auto | fused | unfused
     # RMS norms through torch.compile (fused fwd/bwd kernels, same fp32 math); null = on CUDA only
     compile_norms: bool | None = None
+    # SwiGLU (silu(a) * b of the MLP's fc1 output) as megatron-core's fused function: one
+    # torch.compile'd kernel per direction instead of silu, multiply, chunk and cat kernels, and
+    # only fc1's output kept for backward. null = on CUDA only (the compile needs Triton there).
+    fused_swiglu: bool | None = None
     # LM loss through kernels/fused_linear_ce.py: chunked logits, never [tokens, vocab] at once
     # (saves ~12 bytes x tokens x vocab/TP; costs one extra LM-head GEMM in backward). On by
     # default on CPU and GPU alike so CPU tests exercise the path the GPU runs; false restores

@@ -74,6 +74,10 @@ class Qwen35LanguageModel(GPTModel):
         return tuple(out)
 
 
+def _on_cuda_by_default(choice: bool | None) -> bool:
+    return torch.cuda.is_available() if choice is None else bool(choice)
+
+
 def transformer_config(cfg, parallel, params_dtype: torch.dtype, deterministic: bool = False) -> TransformerConfig:
     m = cfg
     overlap = getattr(parallel, "moe_a2a_overlap", False)
@@ -120,6 +124,8 @@ def transformer_config(cfg, parallel, params_dtype: torch.dtype, deterministic: 
         hidden_dropout=0.0,
         attention_dropout=0.0,
         bias_dropout_fusion=False,
+        # SwiGLU through megatron's fused function (fused_bias_swiglu); no bias here
+        bias_activation_fusion=_on_cuda_by_default(getattr(m, "fused_swiglu", None)),
         apply_rope_fusion=False,
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
