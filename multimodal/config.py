@@ -216,6 +216,10 @@ class OptimizerConfig:
     decay_iters: int | None = None  # default: train.iters
     lr_decay_style: str = "cosine"  # cosine | linear | constant
     fused: bool = True  # torch's fused AdamW kernel (one pass over params and state) instead of foreach
+    # With the fused kernel: the 1/tokens gradient scale and the clip coefficient are applied by
+    # the AdamW kernel as it reads each gradient, instead of two passes over the fp32 gradients
+    # (multimodal/multi_tensor.py DeferredGradScale). Same update up to rounding.
+    defer_grad_scaling: bool = True
 
 
 @dataclass

@@ -26,12 +26,27 @@ import torch
 log = logging.getLogger(__name__)
 
 _INSTALLED = False
+_DEFERRED: "DeferredGradScale | None" = None  # the one active in this process (at most one trainer)
 
 
 def _l2_norm(_chunk_size, _noop_flag, tensor_lists, _per_tensor, *args):
-    """amp_C.multi_tensor_l2norm: (norm of all tensors of the first list, as a 1-element tensor, None)."""
+    """amp_C.multi_tensor_l2norm: (norm of all tensors of the first list, as a 1-element tensor, None).
+    While a gradient scale is deferred (DeferredGradScale), the gradients in memory are unscaled
+    and the norm megatron asks for is that of the scaled ones."""
     norms = torch._foreach_norm(tensor_lists[0])
-    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms])).reshape(1), None
+    norm = torch.linalg.vector_norm(torch.stack([n.float() for n in norms])).reshape(1)
+    if _DEFERRED is not None and _DEFERRED.scale is not None:
+        norm = norm * _DEFERRED.scale
+    return norm, None
+
+
+def _clip_scale(chunk_size, noop_flag, tensor_lists, scale):
+    """megatron's gradient clipping (grads *= clip coefficient, a device tensor): folded into the
+    deferred scale when one is active, else done in place."""
+    if _DEFERRED is not None and _DEFERRED.scale is not None and tensor_lists[0] is tensor_lists[1]:
+        _DEFERRED.fold(scale)
+        return
+    _scale(chunk_size, noop_flag, tensor_lists, scale)
 
 
 def _scale(_chunk_size, _noop_flag, tensor_lists, scale):
@@ -69,7 +84,7 @@ def install() -> bool:
     clip_grads.multi_tensor_scale_impl = _scale
     # with a tensor-scale op present, megatron keeps the grad norm on the device and clips with
     # a tensor coefficient: no .item() in the optimizer step
-    clip_grads.multi_tensor_scale_tensor_impl = _scale
+    clip_grads.multi_tensor_scale_tensor_impl = _clip_scale
     moptimizer.multi_tensor_applier = _apply
     moptimizer.multi_tensor_scale_impl = _scale
     _INSTALLED = True
@@ -110,3 +125,79 @@ def use_fused_adam(optimizer) -> int:
             opt.defaults["fused"], opt.defaults["foreach"] = True, False
         switched += mine
     return switched
+
+
+class DeferredGradScale:
+    """Folds megatron's two extra passes over the fp32 gradients into the fused AdamW kernel.
+
+    Each step megatron multiplies every gradient by 1/(supervised tokens) (finalize_model_grads,
+    with calculate_per_token_loss) and then by the clipping coefficient: two read-and-write passes
+    over 4 bytes x parameters, ~15 ms of a 0.3 s step on the 2B recipe (H200 profile,
+    docs/benchmarks/README.md). torch's fused AdamW divides each gradient by its ``grad_scale``
+    tensor as it reads it (the AMP hook), so here both factors are kept as one device scalar
+    instead: the DDP wrapper's ``scale_gradients`` records the token factor, the gradient norm is
+    computed from the unscaled gradients and multiplied by it (same value up to rounding), the
+    clip coefficient multiplies into it, and the fused kernel applies ``1 / scale``. No host sync.
+
+    Only for one megatron optimizer whose torch AdamW groups are all fused and whose parameters
+    share one clipping group (``enable`` checks; MoE's separate expert optimizer keeps megatron's
+    path). While nothing is deferred every hook does exactly what it did before.
+    """
+
+    def __init__(self, adams: list[torch.optim.Optimizer]):
+        self.adams = adams
+        self.scale: torch.Tensor | None = None  # the product of the deferred factors, [1] fp32
+
+    def defer(self, factor) -> None:
+        """megatron's ``scale_gradients(factor)``: remember instead of multiplying."""
+        device = self.adams[0].param_groups[0]["params"][0].device
+        self.scale = torch.as_tensor(factor, dtype=torch.float32, device=device).reshape(1).clone()
+        self._arm()
+
+    def fold(self, coefficient) -> None:
+        self.scale = self.scale * torch.as_tensor(coefficient, dtype=torch.float32).reshape(1)
+        self._arm()
+
+    def _arm(self) -> None:
+        inv = 1.0 / self.scale
+        for opt in self.adams:
+            opt.grad_scale = inv
+
+    def wrap_step(self, step):
+        """``optimizer.step`` that ends the deferral afterwards, applied or skipped."""
+        def run(*args, **kwargs):
+            try:
+                return step(*args, **kwargs)
+            finally:
+                self.scale = None
+                for opt in self.adams:
+                    opt.grad_scale = None
+        return run
+
+
+def defer_grad_scaling(optimizer, ddp_chunks) -> DeferredGradScale | None:
+    """Install a DeferredGradScale on ``optimizer`` and the DDP-wrapped ``ddp_chunks`` when it is
+    exact to do so; returns it, or None (with the reason logged) when megatron's passes stay."""
+    global _DEFERRED
+    why = None
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    adams = torch_adam_optimizers(optimizer)
+    if not _INSTALLED:
+        why = "TransformerEngine/Apex kernels are in use"
+    elif len(chained) != 1 or len(adams) != 1:
+        why = f"{len(chained)} optimizers (each would clip its own parameters)"
+    elif not all(g.get("fused") for g in adams[0].param_groups):
+        why = "AdamW is not fused (optimizer.fused=false)"
+    elif any(getattr(p, "grad_norm_group", None) is not None for g in adams[0].param_groups for p in g["params"]):
+        why = "some parameters are clipped in a separate gradient-norm group"
+    if why is not None:
+        log.info("optimizer: gradient scaling and clipping stay separate passes (%s)", why)
+        return None
+    deferred = DeferredGradScale(adams)
+    for chunk in ddp_chunks:
+        chunk.scale_gradients = deferred.defer
+    optimizer.step = deferred.wrap_step(optimizer.step)
+    _DEFERRED = deferred
+    log.info("optimizer: the 1/tokens gradient scale and the clip coefficient are applied inside the "
+             "fused AdamW kernel (grad_scale), not as separate passes")
+    return deferred

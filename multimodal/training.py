@@ -109,6 +109,8 @@ def build_model_and_optimizer(cfg: Config, rt: Runtime, dtype: torch.dtype):
     optimizer = get_megatron_optimizer(opt_cfg, [ddp])
     if o.fused:
         multi_tensor.use_fused_adam(optimizer)
+        if o.defer_grad_scaling:
+            multi_tensor.defer_grad_scaling(optimizer, [ddp])
     decay = o.decay_iters or cfg.train.iters
     scheduler = OptimizerParamScheduler(
         optimizer,

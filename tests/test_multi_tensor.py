@@ -64,12 +64,64 @@ def test_fused_adam_and_foreach_hooks_train_like_the_foreach_adam(tmp_path):
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4), (a, b)
 
 
+@pytest.mark.slow
+def test_deferred_grad_scaling_trains_like_the_separate_passes(tmp_path):
+    """optimizer.defer_grad_scaling (the 1/tokens scale and the clip coefficient applied inside the
+    fused AdamW kernel) against megatron's two passes over the gradients, clipping active."""
+    deferred = _train(tmp_path, "deferred")
+    passes = _train(tmp_path, "passes", "optimizer.defer_grad_scaling=false")
+    assert all(r["grad_norm"] > 0.05 for r in deferred)
+    for a, b in zip(deferred, passes):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-7), (a, b)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6), (a, b)
+        assert a["param_norm"] == pytest.approx(b["param_norm"], rel=1e-6), (a, b)
+
+
+def test_deferred_scale_reaches_the_fused_adamw_and_the_hooks(monkeypatch):
+    """The hooks and the AdamW step, in process: norm and clip see the deferred factor, the
+    gradients in memory are untouched, and the update equals AdamW on pre-scaled gradients."""
+    g = torch.Generator().manual_seed(0)
+    init = [torch.randn(5, 3, generator=g), torch.randn(7, generator=g)]
+    grads = [torch.randn_like(t) for t in init]
+
+    def adam(params):
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
+
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    ref_opt = adam(ref)
+    tokens, coeff = 40.0, torch.tensor([0.3])
+    for p, gr in zip(ref, grads):
+        p.grad = gr / tokens * coeff
+    ref_opt.step()
+
+    params = [torch.nn.Parameter(t.clone()) for t in init]
+    opt = adam(params)
+    for p, gr in zip(params, grads):
+        p.grad = gr.clone()
+    deferred = multi_tensor.DeferredGradScale([opt])
+    monkeypatch.setattr(multi_tensor, "_DEFERRED", deferred)
+    step = deferred.wrap_step(opt.step)
+    deferred.defer(torch.tensor([1.0 / tokens]))
+    norm, _ = multi_tensor._l2_norm(None, None, [[p.grad for p in params]], False)
+    want = torch.linalg.vector_norm(torch.cat([gr.flatten() for gr in grads])) / tokens
+    torch.testing.assert_close(norm[0], want, rtol=1e-6, atol=0)
+    multi_tensor._clip_scale(None, None, [[p.grad for p in params]] * 2, coeff)
+    assert all(torch.equal(p.grad, gr) for p, gr in zip(params, grads))  # folded, not applied
+    step()
+    for a, b in zip(params, ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert deferred.scale is None and opt.grad_scale is None  # the step ended the deferral
+    plain = [t.clone() for t in grads]
+    multi_tensor._clip_scale(None, None, [plain, plain], coeff)  # nothing deferred: in place
+    assert all(torch.equal(a, b * coeff) for a, b in zip(plain, grads))
+
+
 def test_install_fills_megatrons_hooks_once():
     from megatron.core.optimizer import clip_grads
 
     multi_tensor.install()
     assert clip_grads.l2_norm_impl is multi_tensor._l2_norm
-    assert clip_grads.multi_tensor_scale_tensor_impl is multi_tensor._scale  # grad norm stays a tensor
+    assert clip_grads.multi_tensor_scale_tensor_impl is multi_tensor._clip_scale  # grad norm stays a tensor
     assert multi_tensor.install() is True  # idempotent
 
 
