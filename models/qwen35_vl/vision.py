@@ -11,6 +11,7 @@ image attends only to itself through the shared attention backend (packed, non-c
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -35,33 +36,40 @@ class VisionGeometry:
 
 
 def vision_geometry(grid_thw: torch.Tensor, merge: int, grid_side: int, device) -> VisionGeometry:
-    grid = grid_thw.detach().to("cpu", torch.long)
-    rows, cols, frames = [], [], []
-    for t, h, w in grid.tolist():
-        r = torch.arange(h).view(h // merge, merge, 1, 1).expand(h // merge, merge, w // merge, merge)
-        c = torch.arange(w).view(1, 1, w // merge, merge).expand(h // merge, merge, w // merge, merge)
-        # merge-block order: (block_row, block_col, in_row, in_col)
-        r = r.permute(0, 2, 1, 3).reshape(-1).repeat(t)
-        c = c.permute(0, 2, 1, 3).reshape(-1).repeat(t)
-        rows.append(r)
-        cols.append(c)
-        frames += [h * w] * t
-    row, col = torch.cat(rows), torch.cat(cols)
-    heights = torch.cat([torch.full((t * h * w,), h) for t, h, w in grid.tolist()])
-    widths = torch.cat([torch.full((t * h * w,), w) for t, h, w in grid.tolist()])
-    # bilinear resampling of the square learned table, align_corners=True
-    h_idx, h_w = _taps(row, heights, grid_side)
-    w_idx, w_w = _taps(col, widths, grid_side)
-    index = (h_idx[:, :, None] * grid_side + w_idx[:, None, :]).reshape(-1, 4)
-    weight = (h_w[:, :, None] * w_w[:, None, :]).reshape(-1, 4)
+    grid = [tuple(g) for g in grid_thw.detach().to("cpu", torch.long).tolist()]
+    # per image from a cache: building them is Python-heavy (~4 ms per micro-batch on the 2B
+    # recipe, in the step's critical path), and image sizes repeat
+    parts = [_image_geometry(t, h, w, merge, grid_side) for t, h, w in grid]
+    frames = [h * w for t, h, w in grid for _ in range(t)]
     cu = torch.tensor([0] + frames, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     return VisionGeometry(
         cu_seqlens=to_device_async(cu, device),
         max_seqlen=max(frames) if frames else 0,
-        rot_pos=to_device_async(torch.stack([row, col], -1), device),
-        interp_index=to_device_async(index, device),
-        interp_weight=to_device_async(weight, device),
+        rot_pos=to_device_async(_cat([p[0] for p in parts], (0, 2), torch.long), device),
+        interp_index=to_device_async(_cat([p[1] for p in parts], (0, 4), torch.long), device),
+        interp_weight=to_device_async(_cat([p[2] for p in parts], (0, 4), torch.float32), device),
     )
+
+
+def _cat(tensors: list[torch.Tensor], empty_shape, dtype) -> torch.Tensor:
+    return torch.cat(tensors) if tensors else torch.zeros(empty_shape, dtype=dtype)
+
+
+@functools.lru_cache(maxsize=4096)
+def _image_geometry(t: int, h: int, w: int, merge: int, grid_side: int):
+    """(rot_pos [t*h*w, 2], interp_index [t*h*w, 4], interp_weight [t*h*w, 4]) of one image, on
+    the host; callers concatenate (never modify) them."""
+    r = torch.arange(h).view(h // merge, merge, 1, 1).expand(h // merge, merge, w // merge, merge)
+    c = torch.arange(w).view(1, 1, w // merge, merge).expand(h // merge, merge, w // merge, merge)
+    # merge-block order: (block_row, block_col, in_row, in_col)
+    row = r.permute(0, 2, 1, 3).reshape(-1).repeat(t)
+    col = c.permute(0, 2, 1, 3).reshape(-1).repeat(t)
+    # bilinear resampling of the square learned table, align_corners=True
+    h_idx, h_w = _taps(row, torch.full_like(row, h), grid_side)
+    w_idx, w_w = _taps(col, torch.full_like(col, w), grid_side)
+    index = (h_idx[:, :, None] * grid_side + w_idx[:, None, :]).reshape(-1, 4)
+    weight = (h_w[:, :, None] * w_w[:, None, :]).reshape(-1, 4)
+    return torch.stack([row, col], -1), index, weight
 
 
 def _taps(index: torch.Tensor, size: torch.Tensor, side: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,7 +145,7 @@ class VisionEncoder(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
         geo = vision_geometry(image_grid_thw, self.merge, self.grid_side, pixel_values.device)
-        x = self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))
+        x = self.embed_patches(pixel_values)
         pos = (self.pos_embed(geo.interp_index) * geo.interp_weight[..., None].to(x.dtype)).sum(1)
         x = x + pos
         freqs = geo.rot_pos.float()[..., None] * self.inv_freq  # [N, 2, quarter/2]
@@ -154,6 +162,9 @@ class VisionEncoder(nn.Module):
             else:
                 fused_mrope.warn_fallback(reason)
         return self.blocks_and_merger(x, angles, geo)
+
+    def embed_patches(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        return self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))
 
     def install_cuda_graphs(self, bucket: int, max_buckets: int, max_images: int, graph_factory=None):
         """Replay blocks_and_merger as CUDA graphs per patch-count bucket (train.cuda_graphs)."""
