@@ -175,6 +175,13 @@ class DeferredGradScale:
         return run
 
 
+def stop_deferring() -> None:
+    """Forget the active DeferredGradScale (end of training): it references the torch optimizer,
+    whose state would otherwise outlive the trainer (33 GiB on the 2B recipe)."""
+    global _DEFERRED
+    _DEFERRED = None
+
+
 def defer_grad_scaling(optimizer, ddp_chunks) -> DeferredGradScale | None:
     """Install a DeferredGradScale on ``optimizer`` and the DDP-wrapped ``ddp_chunks`` when it is
     exact to do so; returns it, or None (with the reason logged) when megatron's passes stay."""

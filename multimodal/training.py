@@ -277,6 +277,7 @@ def _build_and_loop(cfg: Config, rt: Runtime, dtype: torch.dtype, mem: MemoryToo
     finally:
         for graphs in _graphs_of(model):
             graphs.close()
+        multi_tensor.stop_deferring()
         mem.close()
         if batches is not loader:
             batches.close()

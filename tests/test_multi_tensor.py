@@ -138,3 +138,40 @@ def test_use_fused_adam_switches_torch_adamw_groups():
     p.grad = torch.ones_like(p)
     Wrapped.optimizer.step()  # the fused CPU kernel runs
     assert multi_tensor.use_fused_adam(chained) == 0  # already fused
+
+
+def test_defer_grad_scaling_installs_and_lets_the_optimizer_go():
+    import gc
+    import weakref
+
+    multi_tensor.install()
+    p = torch.nn.Parameter(torch.randn(4, 4))
+
+    class Wrapped:  # megatron's optimizer keeps the torch one as .optimizer
+        def __init__(self):
+            self.optimizer = torch.optim.AdamW([p], lr=1e-3, fused=True)
+
+        def step(self):
+            self.optimizer.step()
+            return True, None, None
+
+    class Chunk:  # the DDP wrapper's scale_gradients is what megatron's finalize calls
+        def scale_gradients(self, factor):
+            raise AssertionError("should have been deferred")
+
+    opt, chunk = Wrapped(), Chunk()
+    deferred = multi_tensor.defer_grad_scaling(opt, [chunk])
+    assert deferred is not None and multi_tensor._DEFERRED is deferred
+    chunk.scale_gradients(torch.tensor([0.5]))  # finalize: recorded, not applied
+    assert opt.optimizer.grad_scale.item() == 2.0
+    p.grad = torch.ones_like(p)
+    opt.step()
+    assert deferred.scale is None and opt.optimizer.grad_scale is None
+    unfused = Wrapped()
+    unfused.optimizer.param_groups[0]["fused"] = False
+    assert multi_tensor.defer_grad_scaling(unfused, [Chunk()]) is None  # megatron's passes stay
+    gone = weakref.ref(opt.optimizer)
+    multi_tensor.stop_deferring()  # end of training
+    del opt, chunk, deferred
+    gc.collect()
+    assert multi_tensor._DEFERRED is None and gone() is None
