@@ -11,14 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from proxy_fixtures import accumulate, forward, packed_rows, proxy_model, wrap_ddp
 
-from data.collate import pack_thd
-from data.mock import MockDataset
-from models import get_model_builder
 from models.common import layer_graphs, wgrad_fusion
 from multimodal.config import ConfigError, load_config, validate
-from multimodal.forward_step import packed_seq_params, to_device
 
 
 def test_static_batch_pads_segments_and_chunk_table():
@@ -47,33 +43,8 @@ def test_static_batch_pads_segments_and_chunk_table():
 
 
 def _setup(overrides=()):
-    from multimodal.platform import seed_everything
-
-    cfg = load_config("configs/qwen35_vl_proxy.yaml", list(overrides))
-    seed_everything(0)
-    model = get_model_builder(cfg.model.name)(cfg.model, cfg.parallel, torch.float32)
-    m = cfg.model
-    ds = MockDataset(m, cfg.data, 256)
-    pack = lambda idx: to_device(  # noqa: E731
-        pack_thd([ds[i] for i in idx], 384, m.pad_token_id, m.image_token_id, m.vision.spatial_merge_size),
-        torch.device("cpu"), torch.float32)
-    batches = [pack([0, 1]), pack([2]), pack([3, 4, 5])]
-    ddp = DistributedDataParallel(config=model.config, module=model,
-                                  ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
-    return model, ddp, batches
-
-
-def _accumulate(ddp, model, batches):
-    """Losses of each micro-batch, then main_grad after all of them (gradient accumulation)."""
-    ddp.zero_grad_buffer()
-    losses = []
-    for batch in batches:
-        loss = model(batch["tokens"], batch["position_ids"], labels=batch["labels"],
-                     pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
-                     packed_seq_params=packed_seq_params(batch))
-        (loss * batch["loss_mask"]).sum().backward()
-        losses.append(loss.detach())
-    return losses, {n: p.main_grad.clone() for n, p in model.named_parameters()}
+    cfg, model = proxy_model(overrides)
+    return model, wrap_ddp(model), packed_rows(cfg, [(0, 1), (2,), (3, 4, 5)])
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -81,10 +52,10 @@ def test_graphed_layers_equal_eager_layers(mcore, fused):
     model, ddp, batches = _setup()
     if fused:
         assert wgrad_fusion.enable(ddp) > 0
-    eager_losses, eager_grads = _accumulate(ddp, model, batches)
+    eager_losses, eager_grads = accumulate(ddp, model, batches)
     graphs = layer_graphs.install(model.language_model, max_samples=4, graph_factory=layer_graphs.EagerStandIn)
     for _ in range(2):  # the first pass captures, the second only replays
-        losses, grads = _accumulate(ddp, model, batches)
+        losses, grads = accumulate(ddp, model, batches)
         for a, b in zip(losses, eager_losses):
             assert torch.equal(a, b)
         for name, g in eager_grads.items():
@@ -97,10 +68,10 @@ def test_graphed_layers_equal_eager_layers(mcore, fused):
 
 def test_rows_that_do_not_fit_run_eagerly_and_are_counted(mcore):
     model, ddp, batches = _setup()
-    eager_losses, eager_grads = _accumulate(ddp, model, batches)
+    eager_losses, eager_grads = accumulate(ddp, model, batches)
     # batches[2] holds 3 samples plus the tail padding: 4 segments, more than 3
     graphs = layer_graphs.install(model.language_model, max_samples=3, graph_factory=layer_graphs.EagerStandIn)
-    losses, grads = _accumulate(ddp, model, batches)
+    losses, grads = accumulate(ddp, model, batches)
     assert graphs.graphed_batches == 2
     assert graphs.eager_batches == {"more than train.cuda_graph_max_samples=3 samples in a row": 1}
     for a, b in zip(losses, eager_losses):
@@ -109,13 +80,12 @@ def test_rows_that_do_not_fit_run_eagerly_and_are_counted(mcore):
         torch.testing.assert_close(grads[name], g, rtol=1e-6, atol=1e-9, msg=name)
     with torch.no_grad():  # evaluation: eager, counted under its own reason
         batch = batches[0]
-        model(batch["tokens"], batch["position_ids"], labels=batch["labels"], pixel_values=batch["pixel_values"],
-              image_grid_thw=batch["image_grid_thw"], packed_seq_params=packed_seq_params(batch))
+        forward(model, batch)
     assert graphs.eager_batches["not training (no grad or eval mode)"] == 1
     graphs.close()  # the layers run their own forward again; the graphs are dropped
     assert all("forward" not in layer.__dict__ for layer in model.language_model.decoder.layers)
     assert graphs.graphs is None
-    assert torch.equal(_accumulate(ddp, model, batches)[0][0], eager_losses[0])
+    assert torch.equal(accumulate(ddp, model, batches)[0][0], eager_losses[0])
 
 
 @pytest.mark.parametrize("override, message", [
@@ -175,12 +145,12 @@ def test_graphed_vision_encoder_equals_eager(mcore, with_decoder):
     model, ddp, batches = _setup()
     # 44, 16 and 112 patches -> buckets of 64, 32 and 128 rows
     assert [b["pixel_values"].shape[0] for b in batches] == [44, 16, 112]
-    eager_losses, eager_grads = _accumulate(ddp, model, batches)
+    eager_losses, eager_grads = accumulate(ddp, model, batches)
     if with_decoder:
         layer_graphs.install(model.language_model, max_samples=4, graph_factory=layer_graphs.EagerStandIn)
     graphs = model.vision_model.install_cuda_graphs(32, 8, 8, graph_factory=layer_graphs.EagerStandIn)
     for _ in range(2):  # the first pass captures each bucket, the second only replays
-        losses, grads = _accumulate(ddp, model, batches)
+        losses, grads = accumulate(ddp, model, batches)
         for a, b in zip(losses, eager_losses):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
         _assert_rounding_close(grads, eager_grads)
@@ -190,11 +160,11 @@ def test_graphed_vision_encoder_equals_eager(mcore, with_decoder):
 
 def test_vision_micro_batches_that_do_not_fit_run_eagerly_and_are_counted(mcore):
     model, ddp, batches = _setup()
-    eager_losses, eager_grads = _accumulate(ddp, model, batches)
+    eager_losses, eager_grads = accumulate(ddp, model, batches)
     # one bucket at most; at most 4 images: batch 0 (4 images, 64 rows) is captured, batch 1
     # (a 32-row bucket) is beyond the bucket limit, batch 2 (6 images) has too many images
     graphs = model.vision_model.install_cuda_graphs(32, 1, 4, graph_factory=layer_graphs.EagerStandIn)
-    losses, grads = _accumulate(ddp, model, batches)
+    losses, grads = accumulate(ddp, model, batches)
     assert graphs.graphed_batches == 1 and list(graphs.buckets) == [64]
     assert graphs.eager_batches == {
         "a 32-patch bucket beyond train.cuda_graph_vision_max_buckets=1 (raise it or train.cuda_graph_vision_bucket)": 1,

@@ -6,34 +6,23 @@ from __future__ import annotations
 import pytest
 import torch
 
-from data.collate import pack_thd
-from data.mock import MockDataset
-from models import get_model_builder
+from proxy_fixtures import forward, packed_rows, proxy_model
+
 from multimodal.config import ConfigError, load_config, validate
-from multimodal.forward_step import packed_seq_params
 from multimodal.memory import activation_bytes_held
 from multimodal.recompute import apply_recompute, check_modules
 
 
 def _model_and_batch(path, overrides=()):
-    from multimodal.platform import seed_everything
-
-    cfg = load_config(path, list(overrides))
-    seed_everything(0)
-    model = get_model_builder(cfg.model.name)(cfg.model, cfg.parallel, torch.float32)
-    m = cfg.model
-    ds = MockDataset(m, cfg.data, 256)
-    batch = pack_thd([ds[0], ds[1]], 384, m.pad_token_id, m.image_token_id, m.vision.spatial_merge_size)
-    return model, batch
+    cfg, model = proxy_model(overrides, config=path)
+    return model, packed_rows(cfg)[0]
 
 
 def _step(model, batch):
     """Loss and all gradients; also the bytes of distinct storages autograd keeps for backward."""
     model.zero_grad(set_to_none=True)
     # after forward: storages discarded by recompute have been resized to 0 bytes
-    loss, held = activation_bytes_held(lambda: model(
-        batch["tokens"], batch["position_ids"], labels=batch["labels"], pixel_values=batch["pixel_values"],
-        image_grid_thw=batch["image_grid_thw"], packed_seq_params=packed_seq_params(batch)))
+    loss, held = activation_bytes_held(lambda: forward(model, batch))
     (loss * batch["loss_mask"]).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return loss.detach(), grads, held
@@ -75,9 +64,7 @@ def test_dense_recompute_matches_and_saves_memory(mcore, modules, exact):
     # eval / no-grad forward runs the plain path
     model.eval()
     with torch.no_grad():
-        out = model(batch["tokens"], batch["position_ids"], labels=batch["labels"],
-                    pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
-                    packed_seq_params=packed_seq_params(batch))
+        out = forward(model, batch)
     torch.testing.assert_close(out, base[0], rtol=0, atol=0)
 
 

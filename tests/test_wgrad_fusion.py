@@ -4,14 +4,9 @@ main_grad exactly what the unfused backward adds, through megatron's real linear
 from __future__ import annotations
 
 import torch
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from proxy_fixtures import accumulate, packed_rows, proxy_model, wrap_ddp
 
-from data.collate import pack_thd
-from data.mock import MockDataset
-from models import get_model_builder
 from models.common import wgrad_fusion
-from multimodal.config import load_config
-from multimodal.forward_step import packed_seq_params
 
 
 def test_gemm_accumulates_into_main_grad():
@@ -39,25 +34,14 @@ def test_resolve_is_opt_in():
 
 
 def _main_grads(ddp, model, batch):
-    ddp.zero_grad_buffer()
-    loss = model(batch["tokens"], batch["position_ids"], labels=batch["labels"],
-                 pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
-                 packed_seq_params=packed_seq_params(batch))
-    (loss * batch["loss_mask"]).sum().backward()
-    return {n: p.main_grad.clone() for n, p in model.named_parameters()}
+    return accumulate(ddp, model, [batch])[1]
 
 
 def test_fused_backward_matches_the_ddp_hook_path(mcore):
-    from multimodal.platform import seed_everything
-
-    cfg = load_config("configs/qwen35_vl_proxy.yaml", [])
-    seed_everything(0)
-    model = get_model_builder(cfg.model.name)(cfg.model, cfg.parallel, torch.float32)
-    ds = MockDataset(cfg.model, cfg.data, 256)
+    cfg, model = proxy_model()
     m = cfg.model
-    batch = pack_thd([ds[0], ds[1]], 384, m.pad_token_id, m.image_token_id, m.vision.spatial_merge_size)
-    ddp = DistributedDataParallel(config=model.config, module=model,
-                                  ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
+    batch = packed_rows(cfg)[0]
+    ddp = wrap_ddp(model)
     plain = _main_grads(ddp, model, batch)
     fused_layers = wgrad_fusion.enable(ddp)
     # every decoder linear: in_proj/out_proj (GDN), linear_qkv/linear_proj, linear_fc1/fc2
