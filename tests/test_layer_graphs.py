@@ -127,7 +127,7 @@ def test_vision_bucket_pads_segments_and_positions():
     geo = VisionGeometry(cu_seqlens=cu, max_seqlen=28, rot_pos=None, interp_index=None, interp_weight=None)
     pos = torch.arange(3 * 44).reshape(3, 44)
     inv = torch.ones(4)
-    bucket = _Bucket(64, 4, (pos, inv, (0, 2, 2)), 8, torch.float32, "cpu")
+    bucket = _Bucket(64, 4, (pos, inv, (0, 2, 2)), "cpu")
     bucket.load((pos, inv, (0, 2, 2)), geo, 44)
     # two images, then the padding rows [44, 64) as a segment of their own, then empty segments
     assert bucket.cu.tolist() == [0, 16, 44, 64, 64, 64]
@@ -135,7 +135,7 @@ def test_vision_bucket_pads_segments_and_positions():
     assert torch.equal(bucket.pos[:, :44], pos) and not bucket.pos[:, 44:].any()
     assert bucket.angles[0] is bucket.pos and bucket.angles[2] == (0, 2, 2)
     angles = torch.randn(44, 1, 8)  # the reference rotary's angles
-    ref = _Bucket(64, 4, angles, 8, torch.float32, "cpu")
+    ref = _Bucket(64, 4, angles, "cpu")
     ref.load(angles, geo, 44)
     assert torch.equal(ref.angles[:44], angles) and not ref.angles[44:].any()
 

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 class _Bucket:
     """Static inputs of one padded patch count: the rows, segment offsets and rotary positions."""
 
-    def __init__(self, rows: int, max_images: int, angles, hidden: int, dtype, device):
+    def __init__(self, rows: int, max_images: int, angles, device):
         self.rows = rows
         self.cu = torch.full((max_images + 2,), rows, dtype=torch.int32, device=device)
         self.geo = VisionGeometry(cu_seqlens=self.cu, max_seqlen=rows, rot_pos=None, interp_index=None,
@@ -60,7 +60,6 @@ class _Bucket:
             self.pos = torch.zeros((rows, *angles.shape[1:]), dtype=angles.dtype, device=device)
             self.angles = self.pos
         self.graph: LayerGraph | None = None
-        self.hidden, self.dtype = hidden, dtype
 
     def load(self, angles, geo: VisionGeometry, patches: int) -> None:
         """Copy a micro-batch's offsets and positions in (device to device, no host sync)."""
@@ -142,7 +141,7 @@ class VisionGraphs:
         return None
 
     def _try_capture(self, x, angles, geo, rows):
-        bucket = _Bucket(rows, self.max_images, angles, x.shape[1], x.dtype, x.device)
+        bucket = _Bucket(rows, self.max_images, angles, x.device)
         bucket.load(angles, geo, x.shape[0])
         try:
             self._capture(bucket, x)
