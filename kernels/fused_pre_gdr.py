@@ -37,7 +37,7 @@ try:
 except ImportError:  # CPU-only installs without triton: the reference still works
     triton = None
 
-from kernels.triton_support import autotuning, cu_block, interpreting, unavailable_reason  # noqa: E402
+from kernels.triton_support import autotuning, cu_steps, interpreting, unavailable_reason  # noqa: E402
 
 EPS = 1e-6  # l2norm eps of the reference (inside the rsqrt)
 
@@ -100,14 +100,23 @@ if triton is not None:
         return [base, triton.Config({"BLOCK_T": alternative[0]}, num_warps=alternative[1])]
 
     @triton.jit
-    def _sample_bounds(cu_ptr, n_cu, s, S, VARLEN: tl.constexpr, BLOCK_CU: tl.constexpr):
-        """[start, end) of the sample holding each token s (whole row without cu_seqlens)."""
+    def _sample_bounds(cu_ptr, n_cu, s, S, VARLEN: tl.constexpr, CU_STEPS: tl.constexpr):
+        """[start, end) of the sample holding each token s (whole row without cu_seqlens).
+
+        A binary search per token for the last offset <= s: CU_STEPS = log2 of the bucketed offset
+        count loads per token. (Comparing every token with every offset cost as much as the
+        kernels' own work once CUDA graphs padded cu_seqlens to 66 offsets: _pre_gdr_fwd went
+        from 3.0 to 6.1 ms per 2B step, docs/benchmarks/README.md session 6.)"""
         if VARLEN:
-            j = tl.arange(0, BLOCK_CU)
-            cu = tl.load(cu_ptr + j, mask=j < n_cu, other=0).to(tl.int64)
-            valid = j[None, :] < n_cu
-            start = tl.max(tl.where(valid & (cu[None, :] <= s[:, None]), cu[None, :], 0), axis=1)
-            end = tl.min(tl.where(valid & (cu[None, :] > s[:, None]), cu[None, :], S), axis=1)
+            lo = tl.zeros_like(s)  # cu[lo] <= s holds throughout (cu[0] = 0)
+            hi = tl.zeros_like(s) + (n_cu - 1)
+            for _ in tl.static_range(CU_STEPS):
+                mid = (lo + hi + 1) // 2
+                go = tl.load(cu_ptr + mid).to(tl.int64) <= s
+                lo = tl.where(go, mid, lo)
+                hi = tl.where(go, hi, mid - 1)
+            start = tl.load(cu_ptr + lo).to(tl.int64)
+            end = tl.load(cu_ptr + lo + 1, mask=lo + 1 < n_cu, other=S).to(tl.int64)
         else:
             start = tl.zeros_like(s)
             end = tl.zeros_like(s) + S
@@ -128,12 +137,12 @@ if triton is not None:
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
         S, n_cu, sxb, sxs, sbb, sbs, sab, sas,
         C: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-        VARLEN: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_CU: tl.constexpr, BLOCK_T: tl.constexpr,
+        VARLEN: tl.constexpr, BLOCK_C: tl.constexpr, CU_STEPS: tl.constexpr, BLOCK_T: tl.constexpr,
     ):
         pid_t, head, bi = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
         s = pid_t * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
         smask = s < S
-        start, end = _sample_bounds(cu_ptr, n_cu, s, S, VARLEN, BLOCK_CU)
+        start, end = _sample_bounds(cu_ptr, n_cu, s, S, VARLEN, CU_STEPS)
         is_v = head >= 2 * NK
         c0 = tl.where(is_v, 2 * NK * K + (head - 2 * NK) * V, head * K)
         width = tl.where(is_v, V, K)
@@ -177,7 +186,7 @@ if triton is not None:
     def _du_head(
         x_ptr, w_ptr, cu_ptr, dy_ptr, du_ptr, dw_part, bi, pid_t, n_pt, S, n_cu, sxb, sxs,
         c0, hout, C: tl.constexpr, NV: tl.constexpr, WIDTH: tl.constexpr, REP: tl.constexpr,
-        NORM: tl.constexpr, VARLEN: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_CU: tl.constexpr,
+        NORM: tl.constexpr, VARLEN: tl.constexpr, BLOCK_C: tl.constexpr, CU_STEPS: tl.constexpr,
         BLOCK_T: tl.constexpr, ITERS: tl.constexpr,
     ):
         """du (gradient at the conv output, before SiLU) and partial dw for one q, k or v head."""
@@ -196,7 +205,7 @@ if triton is not None:
         for it in range(ITERS):
             s = (pid_t * ITERS + it) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
             smask = s < S
-            start, end = _sample_bounds(cu_ptr, n_cu, s, S, VARLEN, BLOCK_CU)
+            start, end = _sample_bounds(cu_ptr, n_cu, s, S, VARLEN, CU_STEPS)
             xrow = x_ptr + bi * sxb + s[:, None] * sxs + c[None, :]
             m = smask[:, None] & cmask[None, :]
             x0 = tl.load(xrow, mask=m, other=0.0).to(tl.float32)
@@ -234,7 +243,7 @@ if triton is not None:
         du_ptr, db_ptr, da_ptr, dw_part, dalog_part, ddt_part,
         S, n_cu, sxb, sxs, sbb, sbs, sab, sas,
         C: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-        VARLEN: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_CU: tl.constexpr, TPP: tl.constexpr,
+        VARLEN: tl.constexpr, BLOCK_C: tl.constexpr, CU_STEPS: tl.constexpr, TPP: tl.constexpr,
         BLOCK_T: tl.constexpr,
     ):
         # phase 1 of the backward: du per head (q/k: l2-norm and SiLU backward, v: SiLU backward),
@@ -246,14 +255,14 @@ if triton is not None:
         ITERS: tl.constexpr = TPP // BLOCK_T
         if head < NK:
             _du_head(x_ptr, w_ptr, cu_ptr, dq_ptr, du_ptr, dw_part, bi, pid_t, n_pt, S, n_cu, sxb, sxs,
-                     head * K, head * REP, C, NV, K, REP, True, VARLEN, BLOCK_C, BLOCK_CU, BLOCK_T, ITERS)
+                     head * K, head * REP, C, NV, K, REP, True, VARLEN, BLOCK_C, CU_STEPS, BLOCK_T, ITERS)
         elif head < 2 * NK:
             _du_head(x_ptr, w_ptr, cu_ptr, dk_ptr, du_ptr, dw_part, bi, pid_t, n_pt, S, n_cu, sxb, sxs,
-                     head * K, (head - NK) * REP, C, NV, K, REP, True, VARLEN, BLOCK_C, BLOCK_CU, BLOCK_T, ITERS)
+                     head * K, (head - NK) * REP, C, NV, K, REP, True, VARLEN, BLOCK_C, CU_STEPS, BLOCK_T, ITERS)
         else:
             hv = head - 2 * NK
             _du_head(x_ptr, w_ptr, cu_ptr, dv_ptr, du_ptr, dw_part, bi, pid_t, n_pt, S, n_cu, sxb, sxs,
-                     2 * NK * K + hv * V, hv, C, NV, V, 1, False, VARLEN, BLOCK_C, BLOCK_CU, BLOCK_T, ITERS)
+                     2 * NK * K + hv * V, hv, C, NV, V, 1, False, VARLEN, BLOCK_C, CU_STEPS, BLOCK_T, ITERS)
             # gates of value head hv: beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)
             e_a = tl.exp(tl.load(alog_ptr + hv).to(tl.float32))
             dt = tl.load(dt_ptr + hv).to(tl.float32)
@@ -278,13 +287,13 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["S", "n_cu"])
     def _conv_fold(du_ptr, w_ptr, cu_ptr, dx_ptr, S, n_cu, C: tl.constexpr, VARLEN: tl.constexpr,
-                   BLOCK_CU: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+                   CU_STEPS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
         """Phase 2: dx[t] = sum_j w[3-j] du[t+j], taps inside t's sample only (the conv's transpose)."""
         bi = tl.program_id(2).to(tl.int64)
         s = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         smask, cmask = s < S, c < C
-        _, end = _sample_bounds(cu_ptr, n_cu, s, S, VARLEN, BLOCK_CU)
+        _, end = _sample_bounds(cu_ptr, n_cu, s, S, VARLEN, CU_STEPS)
         row = du_ptr + (bi * S + s[:, None]) * C + c[None, :]
         dx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
         for j in tl.static_range(4):
@@ -326,7 +335,7 @@ class _FusedPreGDR(torch.autograd.Function):
                 qkv, weight, b, a, A_log, dt_bias, cu, q, k, v, g, beta,
                 S, n_cu, qkv.stride(0), qkv.stride(1), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
                 C=C, NK=nk, NV=nv, K=K, V=V, VARLEN=cu_seqlens is not None,
-                BLOCK_C=triton.next_power_of_2(max(K, V)), BLOCK_CU=cu_block(n_cu),
+                BLOCK_C=triton.next_power_of_2(max(K, V)), CU_STEPS=cu_steps(n_cu),
             )
         ctx.save_for_backward(qkv, b, a, weight, A_log, dt_bias, cu_seqlens)
         ctx.dims = (nk, K, V)
@@ -359,13 +368,13 @@ class _FusedPreGDR(torch.autograd.Function):
             qkv, weight, b, a, A_log, dt_bias, cu, dq, dk, dv, dg, dbeta, du, db, da, dw_part, alog_part, dt_part,
             S, n_cu, qkv.stride(0), qkv.stride(1), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
             C=C, NK=nk, NV=nv, K=K, V=V, VARLEN=cu_seqlens is not None,
-            BLOCK_C=triton.next_power_of_2(max(K, V)), BLOCK_CU=cu_block(n_cu), TPP=tpp,
+            BLOCK_C=triton.next_power_of_2(max(K, V)), CU_STEPS=cu_steps(n_cu), TPP=tpp,
         )
         # phase 2: fold the taps back onto the conv input
         bt = 32
         _conv_fold[(triton.cdiv(S, bt), triton.cdiv(C, 128), B)](
             du, weight, cu, dx, S, n_cu, C=C, VARLEN=cu_seqlens is not None,
-            BLOCK_CU=cu_block(n_cu), BLOCK_T=bt, BLOCK_C=128, num_warps=4,
+            CU_STEPS=cu_steps(n_cu), BLOCK_T=bt, BLOCK_C=128, num_warps=4,
         )
         dw = dw_part.sum(0).to(weight.dtype)
         dalog = alog_part.sum(0).to(A_log.dtype)

@@ -29,6 +29,11 @@ def cu_block(n_cu: int) -> int:
     return max(64, triton.next_power_of_2(n_cu))
 
 
+def cu_steps(n_cu: int) -> int:
+    """Iterations of a binary search over ``n_cu`` sorted offsets, bucketed like ``cu_block``."""
+    return cu_block(n_cu).bit_length() - 1
+
+
 def unavailable_reason(x: torch.Tensor) -> str | None:
     """The checks every fused kernel shares: Triton present, a CUDA tensor (or the interpreter), a
     float dtype. None when they pass, else the reason for the fallback warning."""

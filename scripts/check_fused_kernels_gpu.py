@@ -147,6 +147,10 @@ def small_cases(device):
     out += pre_gdr_case(device, "fp32", 2, 11, 2, 4, 16, 8)
     out += pre_gdr_case(device, "fp32", 1, 19, 2, 2, 8, 8, lens=[5, 1, 2, 11])
     out += pre_gdr_case(device, "bf16", 1, 13, 1, 2, 16, 16, lens=[6, 7])
+    # empty segments (first, middle, and a tail of them as CUDA graphs pad cu_seqlens), and more
+    # than 64 offsets (a longer binary search for each token's sample)
+    out += pre_gdr_case(device, "fp32", 1, 19, 1, 1, 8, 8, lens=[0, 5, 1, 0, 13, 0, 0])
+    out += pre_gdr_case(device, "fp32", 1, 21, 1, 1, 8, 8, lens=[2] * 9 + [3] + [0] * 60)
     out += pre_gdr_case(device, "fp16", 1, 9, 1, 1, 128, 128)  # the real head size
     return out
 
@@ -175,6 +179,8 @@ def full_cases(device):
         out += pre_gdr_case(device, dt, 1, 4099, 16, 32, 128, 128, lens=[1000, 1, 3, 3095])
     out += pre_gdr_case(device, "fp32", 2, 1023, 16, 16, 128, 128)
     out += pre_gdr_case(device, "bf16", 1, 517, 2, 4, 32, 32, lens=[17, 500])  # the proxy's head
+    # the CUDA graphs' padded offsets: 5 samples, then empty segments up to 66 offsets
+    out += pre_gdr_case(device, "bf16", 1, 8192, 16, 16, 128, 128, lens=[1000, 37, 3000, 2100, 2055] + [0] * 60)
     return out
 
 
