@@ -330,6 +330,7 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
                 metrics["param_norm"] = _param_norm(model)
                 if _graphs_of(model):  # micro-batches that ran eager layers instead (logged once per reason)
                     metrics["cuda_graph_eager_batches"] = sum(sum(g.eager_batches.values()) for g in _graphs_of(model))
+                    metrics["cuda_graph_captures"] = sum(g.captures for g in _graphs_of(model))
                 result.losses[it] = metrics["loss"]
                 sink.log(it, metrics)
                 report.zero_()

@@ -86,7 +86,18 @@ def run_ours(cfg, warmup: int, steps: int) -> dict:
         "loss_first": rows[0]["loss"],
         "loss_last": rows[-1]["loss"],
         "supervised_tokens_per_window": [r["supervised_tokens"] for r in rows],
+        "graph_captures_in_timed_steps": captures_in_timed_steps(rows, warmup),
     }
+
+
+def captures_in_timed_steps(rows: list[dict], warmup: int) -> int | None:
+    """CUDA graphs captured during the timed steps (each such step also ran warm-up passes and the
+    capture, so it was slower), from metrics.jsonl's cumulative ``cuda_graph_captures``; None
+    when training ran without graphs."""
+    if not any("cuda_graph_captures" in r for r in rows):
+        return None
+    before = [r.get("cuda_graph_captures", 0) for r in rows if r["step"] <= warmup]
+    return rows[-1].get("cuda_graph_captures", 0) - (before[-1] if before else 0)
 
 
 # ------------------------------------------------------------------ the same batches
@@ -445,6 +456,9 @@ def _summary(r: dict) -> None:
     print(f"  ours: {f(r['step_time_s'], '.3f')} s/step  {f(r['tokens_per_s'], ',.0f')} tokens/s  "
           f"{f(r['tflops_per_gpu'], '.1f')} TFLOP/s  MFU {f(r['mfu'], '.1%')} (peak {r['peak_tflops']})  "
           f"peak mem {f(r['peak_mem_gib'], '.1f')} GiB", file=sys.stderr)
+    if r.get("graph_captures_in_timed_steps"):
+        print(f"        ({r['graph_captures_in_timed_steps']} CUDA graph capture(s) inside the timed steps: "
+              "a longer --warmup leaves them out)", file=sys.stderr)
     if r.get("hf_tokens_per_s") is not None:
         print(f"  HF:   {f(r['hf_step_time_s'], '.3f')} s/step  {f(r['hf_tokens_per_s'], ',.0f')} tokens/s  "
               f"{f(r['hf_tflops_per_gpu'], '.1f')} TFLOP/s  MFU {f(r['hf_mfu'], '.1%')}  "

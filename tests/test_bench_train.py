@@ -62,6 +62,17 @@ def test_bench_train_skip_hf(tmp_path):
         assert row["loss_last"] == sweep["none"]["loss_last"]
 
 
+def test_graph_captures_inside_the_timed_steps_are_counted():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_train import captures_in_timed_steps
+
+    rows = [{"step": s, "cuda_graph_captures": c} for s, c in [(1, 2), (2, 3), (3, 3), (4, 5), (5, 5)]]
+    assert captures_in_timed_steps(rows, warmup=3) == 2  # 3 after warm-up, 5 at the end
+    assert captures_in_timed_steps(rows, warmup=4) == 0
+    assert captures_in_timed_steps(rows, warmup=0) == 5
+    assert captures_in_timed_steps([{"step": 1}, {"step": 2}], warmup=1) is None  # no graphs
+
+
 def test_hf_inputs_keep_our_tokens_labels_and_images():
     """The packed micro-batch maps to transformers inputs without losing or shifting anything."""
     import torch

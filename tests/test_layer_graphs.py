@@ -62,6 +62,7 @@ def test_graphed_layers_equal_eager_layers(mcore, fused):
             assert g.abs().sum() > 0, name
             torch.testing.assert_close(grads[name], g, rtol=1e-6, atol=1e-9, msg=name)
     assert graphs.failed is None and graphs.graphed_batches == 6 and not graphs.eager_batches
+    assert graphs.captures == 1  # reported per step in metrics.jsonl (cuda_graph_captures)
     if fused:  # the linear weights' gradients went into main_grad inside the backward "graph"
         assert all(g.fused for g in graphs.graphs)
 
@@ -155,7 +156,7 @@ def test_graphed_vision_encoder_equals_eager(mcore, with_decoder):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
         _assert_rounding_close(grads, eager_grads)
     assert graphs.failed is None and not graphs.eager_batches
-    assert sorted(graphs.buckets) == [32, 64, 128] and graphs.graphed_batches == 6
+    assert sorted(graphs.buckets) == [32, 64, 128] and graphs.graphed_batches == 6 and graphs.captures == 3
 
 
 def test_vision_micro_batches_that_do_not_fit_run_eagerly_and_are_counted(mcore):

@@ -170,6 +170,11 @@ class DecoderGraphs:
         for i, layer in enumerate(self.layers):
             layer.forward = functools.partial(self._forward, i)
 
+    @property
+    def captures(self) -> int:
+        """Graph sets captured so far (a step that captures runs slower)."""
+        return 0 if self.graphs is None else 1
+
     def close(self) -> None:
         """Give the layers their eager forward back and drop the graphs and their memory pool
         (the layers and this object reference each other; a later run in the same process, such

@@ -96,6 +96,11 @@ class VisionGraphs:
         encoder.blocks_and_merger = self._run
         encoder.embed_patches = self._embed_padded
 
+    @property
+    def captures(self) -> int:
+        """Buckets captured so far (a step that captures runs slower)."""
+        return len(self.buckets)
+
     def close(self) -> None:
         """Give the encoder its eager blocks back and free the graphs, their pool and buffers."""
         self.encoder.__dict__.pop("blocks_and_merger", None)
