@@ -140,7 +140,7 @@ class DeferredGradScale:
     clip coefficient multiplies into it, and the fused kernel applies ``1 / scale``. No host sync.
 
     Only for one megatron optimizer whose torch AdamW groups are all fused and whose parameters
-    share one clipping group (``enable`` checks; MoE's separate expert optimizer keeps megatron's
+    share one clipping group (``defer_grad_scaling`` checks; MoE's separate expert optimizer keeps megatron's
     path). While nothing is deferred every hook does exactly what it did before.
     """
 

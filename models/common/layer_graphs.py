@@ -148,6 +148,19 @@ def _fla_cache_off():
         module.FLA_DISABLE_TENSOR_CACHE = saved
 
 
+def count_eager(counter: Counter, reason: str, what: str) -> None:
+    """Count a micro-batch that runs eagerly instead of through graphs; warn once per reason."""
+    if reason not in counter:
+        log.warning("CUDA graphs: a micro-batch runs the eager %s (%s); counted in cuda_graph_eager_batches",
+                    what, reason)
+    counter[reason] += 1
+
+
+def failure_summary(e: Exception) -> str:
+    """A capture failure in one line: the exception type and its message's first line."""
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
 def _fused_linears(layer: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in layer.modules() if getattr(m, "gradient_accumulation_fusion", False)
             and hasattr(getattr(m, "weight", None), "main_grad")]
@@ -199,10 +212,7 @@ class DecoderGraphs:
         if reason is None and self.graphs is None:
             reason = self._try_capture(hidden, kw)
         if reason is not None:
-            if reason not in self.eager_batches:
-                log.warning("CUDA graphs: a micro-batch runs the eager decoder layers (%s); counted in "
-                            "cuda_graph_eager_batches", reason)
-            self.eager_batches[reason] += 1
+            count_eager(self.eager_batches, reason, "decoder layers")
             return None
         self.static.load(kw["packed_seq_params"], kw["rotary_pos_emb"])
         self.graphed_batches += 1
@@ -239,7 +249,7 @@ class DecoderGraphs:
         try:
             self.graphs = self._capture(hidden, kw, static)
         except Exception as e:  # noqa: BLE001 - any capture failure: say so, train on eagerly
-            self.failed = f"{self._phase}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            self.failed = f"{self._phase}: {failure_summary(e)}"
             log.warning("CUDA graphs: capture failed, the decoder layers stay eager: %s", self.failed)
             gc.collect()  # the half-built graphs hold a private memory pool: give it back now
             if hidden.is_cuda:

@@ -37,7 +37,8 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 
-from models.common.layer_graphs import WARMUP_ITERS, LayerGraph, Replay, graph_backward, record
+from models.common.layer_graphs import (WARMUP_ITERS, LayerGraph, Replay, count_eager, failure_summary,
+                                       graph_backward, record)
 from models.qwen35_vl.vision import VisionGeometry
 
 log = logging.getLogger(__name__)
@@ -119,22 +120,19 @@ class VisionGraphs:
 
     def _run(self, x: torch.Tensor, angles, geo: VisionGeometry) -> torch.Tensor:
         rows = self._rows(x.shape[0])
-        reason = self._refusal(x, geo, rows)
+        reason = self._refusal(geo, rows)
         bucket = self.buckets.get(rows)
         if reason is None and bucket is None:
             bucket, reason = self._try_capture(x, angles, geo, rows)
         if reason is not None:
-            if reason not in self.eager_batches:
-                log.warning("CUDA graphs: a micro-batch runs the eager vision encoder (%s); counted in "
-                            "cuda_graph_eager_batches", reason)
-            self.eager_batches[reason] += 1
+            count_eager(self.eager_batches, reason, "vision encoder")
             return self.eager(x, angles, geo)
         bucket.load(angles, geo, x.shape[0])
         self.graphed_batches += 1
         out = Replay.apply(bucket.graph, F.pad(x, (0, 0, 0, rows - x.shape[0])), *self.params)
         return out[: x.shape[0] // self.encoder.merge**2]
 
-    def _refusal(self, x, geo, rows) -> str | None:
+    def _refusal(self, geo, rows) -> str | None:
         if self.failed is not None:
             return f"vision capture failed: {self.failed}"
         if not (torch.is_grad_enabled() and self.encoder.training):
@@ -152,7 +150,7 @@ class VisionGraphs:
         try:
             self._capture(bucket, x)
         except Exception as e:  # noqa: BLE001 - any capture failure: say so, train on eagerly
-            self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            self.failed = failure_summary(e)
             log.warning("CUDA graphs: vision capture failed, the encoder stays eager: %s", self.failed)
             self.buckets, self.grads, self.pool = {}, None, None
             gc.collect()
