@@ -16,6 +16,7 @@ to the layer); pre-GDR = Qwen35GatedDeltaNet.prepare's PyTorch chain (packed: th
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -149,9 +150,11 @@ def mrope_rows(seq, copy, dtype=torch.bfloat16):
                          fused, unfused, [q, k], nbytes, nbytes, copy))
 
 
-def pre_gdr_rows(seq, copy, dtype=torch.bfloat16, n_samples=4):
+def pre_gdr_rows(seq, copy, dtype=torch.bfloat16, n_samples=4, pad_to=None):
     K = V = 128
     cu = torch.linspace(0, seq, n_samples + 1, device=DEV).round().int()
+    if pad_to:  # empty segments at the end, as the CUDA graphs pad cu_seqlens (layer_graphs.StaticBatch)
+        cu = torch.cat([cu, cu.new_full((pad_to + 2 - cu.numel(),), seq)])
     for name, (_, (nk, nv)) in MODELS.items():
         C = 2 * nk * K + nv * V
         # separate leaves (the model reads strided views of in_proj's output; same bytes): a
@@ -171,7 +174,8 @@ def pre_gdr_rows(seq, copy, dtype=torch.bfloat16, n_samples=4):
         e = qkv.element_size()
         tok_fwd = (C + 2 * nv) * e + (2 * nv * K + nv * V + nv) * e + 4 * nv  # read qkv,b,a; write q,k,v,beta,g
         tok_bwd = (C + 2 * nv) * e + (2 * nv * K + nv * V + nv) * e + 4 * nv + (C + 2 * nv) * e  # + grads
-        yield (_row("pre_gdr", f"{name} T={seq} ({n_samples} packed) nk={nk} nv={nv} K=V=128", str(dtype)[6:],
+        packed = f"{n_samples} packed" + (f", {cu.numel()} offsets" if pad_to else "")
+        yield (_row("pre_gdr", f"{name} T={seq} ({packed}) nk={nk} nv={nv} K=V=128", str(dtype)[6:],
                          fused, unfused, [qkv, b, a, w, a_log, dt], seq * tok_fwd, seq * tok_bwd, copy))
 
 
@@ -180,6 +184,10 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the rows here as a JSON list")
     ap.add_argument("--seqs", default="4096,16384,32768")
     ap.add_argument("--models", default="2B,9B,397B-A17B", help="a subset of 2B,9B,397B-A17B")
+    ap.add_argument("--kernels", default="mrope,pre_gdr", help="a subset of mrope,pre_gdr")
+    ap.add_argument("--pad-samples", type=int, default=0,
+                    help="pad pre-GDR's cu_seqlens with empty segments up to this many samples, as "
+                         "train.cuda_graphs does (train.cuda_graph_max_samples, 64)")
     ap.add_argument("--device", default="cuda", help="cpu only for a smoke run under TRITON_INTERPRET=1")
     args = ap.parse_args(argv)
     global DEV, MODELS
@@ -193,7 +201,9 @@ def main(argv=None) -> int:
     print(f"device copy bandwidth: {copy:.0f} GB/s ({name})", flush=True)
     rows, t0 = [], time.perf_counter()
     for seq in (int(s) for s in args.seqs.split(",")):
-        for make in (mrope_rows, pre_gdr_rows):
+        makers = {"mrope": mrope_rows,
+                  "pre_gdr": functools.partial(pre_gdr_rows, pad_to=args.pad_samples or None)}
+        for make in (makers[k] for k in args.kernels.split(",")):
             for r in make(seq, copy):
                 rows.append(r)
                 print(f"[{time.perf_counter() - t0:5.0f}s] {r['kernel']:8} {r['shape']:52} fwd {r['fwd_ms']:7.3f} ms  fwd+bwd {r['fwd_bwd_ms']:7.3f} ms  "
