@@ -9,8 +9,10 @@ same packed inputs ``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` with ``cu_seqlens``:
 
 - ``flash_varlen``: what ``models/common/attention.py`` runs today (GQA inside the kernel);
 - ``flash_varlen_mha``: the same with k/v repeated to Hq heads (the cost of the repeat included);
-- ``cudnn_ragged``: ``aten._cudnn_attention_forward/backward`` on the packed layout with ragged
-  offsets (k/v repeated: cuDNN's packed path takes equal head counts);
+- ``cudnn_ragged``: ``attention(backend="cudnn")``, i.e. ``aten._cudnn_attention_forward/backward``
+  on the packed layout with ragged offsets (k/v repeated to the query heads);
+- ``cudnn_ragged_padded``: the same with 64 empty segments appended to ``cu_seqlens``, as the
+  CUDA graphs pad it (its output must equal ``cudnn_ragged``'s);
 - ``cudnn_dense`` / ``flash_dense``: SDPA on ``[1, H, T, D]``, only when the row is one sample.
 
 Per backend: forward and forward+backward milliseconds (CUDA events, triton's do_bench), TFLOP/s
@@ -46,29 +48,10 @@ def _repeat(k, v, hq):
     return (k, v) if rep == 1 else (k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1))
 
 
-class _CudnnRagged(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, cu, max_len, causal):
-        out = torch.ops.aten._cudnn_attention_forward(
-            q, k, v, None, cu, cu, max_len, max_len, True, 0.0, causal, False)
-        o, lse, seed, offset = out[0], out[1], out[6], out[7]
-        ctx.save_for_backward(q, k, v, o, lse, seed, offset, cu)
-        ctx.max_len, ctx.causal = max_len, causal
-        return o
-
-    @staticmethod
-    def backward(ctx, g):
-        q, k, v, o, lse, seed, offset, cu = ctx.saved_tensors
-        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
-            g.contiguous(), q, k, v, o, lse, seed, offset, torch.empty(0, device=q.device), cu, cu,
-            ctx.max_len, ctx.max_len, 0.0, ctx.causal)
-        return dq, dk, dv, None, None, None
-
-
 def backends(causal: bool, one_sample: bool):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from models.common.attention import _varlen
+    from models.common.attention import _varlen, attention
 
     def flash_varlen(q, k, v, cu, n):
         return _varlen(q, k, v, cu, n, causal, None)
@@ -78,8 +61,11 @@ def backends(causal: bool, one_sample: bool):
         return _varlen(q, k, v, cu, n, causal, None)
 
     def cudnn_ragged(q, k, v, cu, n):
-        k, v = _repeat(k, v, q.shape[1])
-        return _CudnnRagged.apply(q, k, v, cu.to(torch.int32), n, causal)
+        return attention(q, k, v, causal=causal, cu_seqlens=cu, max_seqlen=n, backend="cudnn")
+
+    def cudnn_ragged_padded(q, k, v, cu, n):  # + 64 empty segments, as under CUDA graphs
+        cu = torch.cat([cu, cu.new_full((64,), q.shape[0])])
+        return attention(q, k, v, causal=causal, cu_seqlens=cu, max_seqlen=n, backend="cudnn")
 
     def dense(kind):
         def run(q, k, v, cu, n):
@@ -90,7 +76,8 @@ def backends(causal: bool, one_sample: bool):
             return out.squeeze(0).transpose(0, 1)
         return run
 
-    out = {"flash_varlen": flash_varlen, "flash_varlen_mha": flash_varlen_mha, "cudnn_ragged": cudnn_ragged}
+    out = {"flash_varlen": flash_varlen, "flash_varlen_mha": flash_varlen_mha, "cudnn_ragged": cudnn_ragged,
+           "cudnn_ragged_padded": cudnn_ragged_padded}
     if one_sample:
         out.update(cudnn_dense=dense(SDPBackend.CUDNN_ATTENTION), flash_dense=dense(SDPBackend.FLASH_ATTENTION))
     return out
