@@ -38,6 +38,14 @@ class PackedRowParams(PackedSeqParams):
     # flat indices (s * B + b over this rank's [S, B] tokens) of the tokens with a nonzero loss
     # mask, for model.sparse_lm_head; None: the LM head runs on every token
     loss_token_index: torch.Tensor | None = None
+    # True for the CUDA graphs' fixed-shape metadata (models/common/layer_graphs.StaticBatch):
+    # cu_seqlens padded with empty segments, max_seqlen_q the row length (an upper bound)
+    static_shape: bool = False
+
+    def one_segment(self, tokens: int) -> bool:
+        """Whether this row of ``tokens`` tokens is a single sample, known on the host: its longest
+        segment is the whole row. Never for static-shape metadata, whose max_seqlen is a bound."""
+        return not self.static_shape and self.max_seqlen_q == tokens
 
 
 def segment_boundaries(params: PackedSeqParams) -> torch.Tensor:

@@ -36,6 +36,7 @@ from multimodal.loss import masked_token_loss
 from multimodal.memory import MemoryTools
 from multimodal.metrics import MetricsSink
 from models.common import layer_graphs, wgrad_fusion
+from models.common.attention import cudnn_device_unavailable
 from multimodal.platform import Runtime, init_distributed, seed_everything, use_deterministic_algorithms
 from multimodal.profiling import StepProfiler
 
@@ -86,7 +87,10 @@ def build_model_and_optimizer(cfg: Config, rt: Runtime, dtype: torch.dtype):
         if not rt.is_cuda:
             raise ConfigError("train.cuda_graphs=true needs a GPU; set it to false here")
         t = cfg.train
-        model.decoder_graphs = layer_graphs.install(model.language_model, t.cuda_graph_max_samples)
+        # one-sample rows take cuDNN attention under `auto` (models/common/attention.py): their own graphs
+        one_segment = cfg.model.attention_backend == "auto" and cudnn_device_unavailable(rt.device) is None
+        model.decoder_graphs = layer_graphs.install(model.language_model, t.cuda_graph_max_samples,
+                                                    one_segment_graphs=one_segment)
         vision = getattr(model, "vision_model", None)
         if t.cuda_graph_vision_bucket and hasattr(vision, "install_cuda_graphs"):  # the model's own router
             model.vision_graphs = vision.install_cuda_graphs(t.cuda_graph_vision_bucket, t.cuda_graph_vision_max_buckets,

@@ -9,10 +9,12 @@ same packed inputs ``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` with ``cu_seqlens``:
 
 - ``flash_varlen``: what ``models/common/attention.py`` runs today (GQA inside the kernel);
 - ``flash_varlen_mha``: the same with k/v repeated to Hq heads (the cost of the repeat included);
-- ``cudnn_ragged``: ``attention(backend="cudnn")``, i.e. ``aten._cudnn_attention_forward/backward``
-  on the packed layout with ragged offsets (k/v repeated to the query heads);
+- ``cudnn_ragged``: ``aten._cudnn_attention_forward/backward`` on the packed layout with ragged
+  offsets (k/v repeated to the query heads). Not used by the model: wrong dq in torch 2.11;
 - ``cudnn_ragged_padded``: the same with 64 empty segments appended to ``cu_seqlens``, as the
-  CUDA graphs pad it (its output must equal ``cudnn_ragged``'s);
+  CUDA graphs pad it;
+- ``auto_one_segment``: ``attention(..., one_segment=True)``, the model's path for a one-sample row
+  (cuDNN, dense); only when the row is one sample;
 - ``cudnn_dense`` / ``flash_dense``: SDPA on ``[1, H, T, D]``, only when the row is one sample.
 
 Per backend: forward and forward+backward milliseconds (CUDA events, triton's do_bench), TFLOP/s
@@ -48,10 +50,34 @@ def _repeat(k, v, hq):
     return (k, v) if rep == 1 else (k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1))
 
 
+class _CudnnRagged(torch.autograd.Function):
+    """aten's cuDNN attention over ragged offsets (the packed layout), for the record: in torch
+    2.11 its dq was wrong by orders of magnitude and a training step faulted with it."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, max_len, causal):
+        out = torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, max_len, max_len, True, 0.0, causal, False)
+        ctx.save_for_backward(q, k, v, out[0], out[1], out[6], out[7], cu)
+        ctx.max_len, ctx.causal = max_len, causal
+        return out[0]
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v, o, lse, seed, offset, cu = ctx.saved_tensors
+        n = ctx.max_len
+        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
+            g.contiguous(), q, k, v, o, lse, seed, offset, None, cu, cu, n, n, 0.0, ctx.causal)
+        return dq, dk, dv, None, None, None
+
+
 def backends(causal: bool, one_sample: bool):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from models.common.attention import _varlen, attention
+
+    def ragged(q, k, v, cu, n):  # cuDNN's packed path, called directly (not used by the model)
+        k, v = _repeat(k, v, q.shape[1])
+        return _CudnnRagged.apply(q, k, v, cu.to(torch.int32), n, causal)
 
     def flash_varlen(q, k, v, cu, n):
         return _varlen(q, k, v, cu, n, causal, None)
@@ -61,11 +87,13 @@ def backends(causal: bool, one_sample: bool):
         return _varlen(q, k, v, cu, n, causal, None)
 
     def cudnn_ragged(q, k, v, cu, n):
-        return attention(q, k, v, causal=causal, cu_seqlens=cu, max_seqlen=n, backend="cudnn")
+        return ragged(q, k, v, cu, n)
 
     def cudnn_ragged_padded(q, k, v, cu, n):  # + 64 empty segments, as under CUDA graphs
-        cu = torch.cat([cu, cu.new_full((64,), q.shape[0])])
-        return attention(q, k, v, causal=causal, cu_seqlens=cu, max_seqlen=n, backend="cudnn")
+        return ragged(q, k, v, torch.cat([cu, cu.new_full((64,), q.shape[0])]), n)
+
+    def auto_one_segment(q, k, v, cu, n):  # what the model runs for a one-sample row
+        return attention(q, k, v, causal=causal, cu_seqlens=cu, max_seqlen=n, one_segment=True)
 
     def dense(kind):
         def run(q, k, v, cu, n):
@@ -79,7 +107,8 @@ def backends(causal: bool, one_sample: bool):
     out = {"flash_varlen": flash_varlen, "flash_varlen_mha": flash_varlen_mha, "cudnn_ragged": cudnn_ragged,
            "cudnn_ragged_padded": cudnn_ragged_padded}
     if one_sample:
-        out.update(cudnn_dense=dense(SDPBackend.CUDNN_ATTENTION), flash_dense=dense(SDPBackend.FLASH_ATTENTION))
+        out.update(cudnn_dense=dense(SDPBackend.CUDNN_ATTENTION), flash_dense=dense(SDPBackend.FLASH_ATTENTION),
+                   auto_one_segment=auto_one_segment)
     return out
 
 

@@ -67,6 +67,45 @@ def test_graphed_layers_equal_eager_layers(mcore, fused):
         assert all(g.fused for g in graphs.graphs)
 
 
+def _one_sample(batch):
+    """The row as a single sample: its tail padding joins the sample (causal: the real tokens'
+    outputs are unchanged), so ``max_seqlen`` is the row length."""
+    from kernels.gated_delta_rule import GDNVarlen
+
+    n = batch["tokens"].shape[-1]
+    cu = torch.tensor([0, n], dtype=torch.int32)
+    return dict(batch, cu_seqlens=cu, cu_seqlens_padded=cu, max_seqlen=n, gdn_varlen=GDNVarlen.from_host(cu, "cpu"))
+
+
+def test_one_sample_rows_get_their_own_graphs(mcore, monkeypatch):
+    from models.qwen35_vl import attention as decoder_attention
+
+    model, ddp, batches = _setup()
+    batches = [batches[0], _one_sample(batches[1]), batches[2], _one_sample(batches[1])]
+    told = []  # what each decoder attention call was told: one segment or not
+    real = decoder_attention.attention
+    monkeypatch.setattr(decoder_attention, "attention",
+                        lambda *a, **kw: told.append(kw["one_segment"]) or real(*a, **kw))
+    eager_losses, eager_grads = accumulate(ddp, model, batches)
+    eager_told = list(told)
+    assert True in eager_told and False in eager_told
+    graphs = layer_graphs.install(model.language_model, max_samples=4, graph_factory=layer_graphs.EagerStandIn,
+                                  one_segment_graphs=True)
+    for _ in range(2):  # capture (two sets), then replay only
+        told.clear()
+        losses, grads = accumulate(ddp, model, batches)
+        for a, b in zip(losses, eager_losses):
+            assert torch.equal(a, b)
+        for name, g in eager_grads.items():
+            torch.testing.assert_close(grads[name], g, rtol=1e-6, atol=1e-9, msg=name)
+    # the one-sample rows replay the set whose attention was told so, the packed rows the other
+    assert told == eager_told
+    assert set(graphs.sets) == {layer_graphs.PACKED, layer_graphs.ONE_SEGMENT} and graphs.captures == 2
+    assert graphs.graphed_batches == 8 and not graphs.eager_batches
+    assert graphs.sets[layer_graphs.PACKED].static.params.static_shape
+    assert not graphs.sets[layer_graphs.ONE_SEGMENT].static.params.static_shape
+
+
 def test_rows_that_do_not_fit_run_eagerly_and_are_counted(mcore):
     model, ddp, batches = _setup()
     eager_losses, eager_grads = accumulate(ddp, model, batches)

@@ -11,12 +11,13 @@ Backends:
 - ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` (flash attention, CUDA, bf16/fp16
   only). Its signature changed between torch releases (``is_causal`` in 2.9-2.11,
   ``window_size`` later); both are handled.
-- ``cudnn``: cuDNN's fused attention on the packed layout with ragged offsets
-  (``aten._cudnn_attention_forward/backward``, the kernels behind SDPA's cuDNN backend; CUDA,
-  bf16/fp16, cuDNN >= 9). At head_dim 256 on the H200 it runs the 8K causal forward 2x and the
-  backward 1.5x faster than flash attention 2 (scripts/bench_attention.py,
-  docs/benchmarks/README.md session 7). k/v are repeated to the query heads first.
-- ``auto``: ``varlen`` for packed CUDA bf16/fp16 inputs, else ``sdpa``.
+- ``auto``: on CUDA bf16/fp16, cuDNN's fused attention (SDPA's cuDNN backend, k/v repeated to
+  the query heads) for whatever needs no per-sample offsets: unpacked batches, and a packed row
+  that the caller says is one segment (``one_segment``); ``varlen`` for other packed rows; else
+  ``sdpa``. cuDNN only on Hopper or newer with cuDNN >= 9: on the H200 at head_dim 256 it runs the
+  8K causal forward 2.0x and the backward 1.5x faster than flash attention 2, at head_dim 64
+  (vision) 1.5x and 1.6x (scripts/bench_attention.py, docs/benchmarks/README.md session 7).
+  cuDNN's ragged (packed) path is not used: in torch 2.11 it returned wrong dq and then faulted.
 Asking for a backend that cannot run raises; ``auto`` falling back logs once, loudly.
 """
 
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "sdpa", "varlen", "cudnn")
+BACKENDS = ("auto", "sdpa", "varlen")
 _warned: set[str] = set()
 
 
@@ -70,19 +71,18 @@ def attention(
     cu_seqlens: torch.Tensor | None = None,
     max_seqlen: int | None = None,
     backend: str = "auto",
+    one_segment: bool = False,
 ) -> torch.Tensor:
+    """``one_segment``: the packed row is a single sample (the caller knows it on the host; under
+    CUDA graphs ``max_seqlen`` is only an upper bound and cannot tell)."""
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r} unknown; choose one of {BACKENDS}")
     packed = cu_seqlens is not None
-    if backend == "cudnn":
-        reason = cudnn_unavailable(q) or (None if packed and max_seqlen is not None else
-                                          "needs a packed row (cu_seqlens and max_seqlen)")
-        if reason is not None:
-            raise RuntimeError(f"attention backend 'cudnn' cannot run: {reason}; use auto or varlen")
-        if k.shape[1] != q.shape[1]:  # the ragged path takes equal head counts; autograd sums dk, dv back
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        return _CudnnRagged.apply(q, k, v, cu_seqlens, max_seqlen, causal, scale)
+    if backend == "auto" and (one_segment or not packed) and cudnn_dense_unavailable(q) is None:
+        out = _cudnn_dense(q[None] if packed else q, k[None] if packed else k, v[None] if packed else v,
+                           causal, scale)
+        if out is not None:
+            return out[0] if packed else out
     if backend in ("auto", "varlen") and packed:
         reason = varlen_available(q)
         if reason is None and max_seqlen is not None:
@@ -94,6 +94,52 @@ def attention(
     if packed:
         return _sdpa_packed(q, k, v, cu_seqlens, causal, scale)
     return _sdpa_batched(q, k, v, causal, scale)
+
+
+_cudnn_refused: list[str] = []  # set once cuDNN refused an input: auto stops trying it
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def cudnn_dense_unavailable(q: torch.Tensor) -> str | None:
+    """None if ``auto`` runs cuDNN's fused attention on q's device and dtype, else why not."""
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return "needs bf16/fp16 tensors"
+    return cudnn_device_unavailable(q.device)
+
+
+def cudnn_device_unavailable(device: torch.device) -> str | None:
+    """The device half of ``cudnn_dense_unavailable`` (also decides whether the CUDA graphs keep
+    a separate set for one-sample rows)."""
+    if device.type != "cuda":
+        return "needs CUDA tensors"
+    if _cudnn_refused:
+        return _cudnn_refused[0]
+    version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    if version is None or version < 90000:
+        return f"needs cuDNN >= 9.0 (found {version})"
+    if _capability(device.index if device.index is not None else torch.cuda.current_device())[0] < 9:
+        return "measured faster than flash attention on Hopper only"
+    return None
+
+
+def _cudnn_dense(q, k, v, causal, scale):
+    """[B, S, H, D] through SDPA's cuDNN backend alone; None (after one warning) if cuDNN refuses."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if k.shape[2] != q.shape[2]:  # GQA: repeat k/v to the query heads (autograd sums dk, dv back)
+        rep = q.shape[2] // k.shape[2]
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    try:
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return _sdpa_batched(q, k, v, causal, scale)
+    except RuntimeError as e:  # cuDNN cannot take this input: say so once, use flash from now on
+        _cudnn_refused.append(f"cuDNN refused an input ({str(e).splitlines()[0][:200]})")
+        _warn_once(f"attention: cuDNN attention is off for this run, using flash attention: {_cudnn_refused[0]}")
+        return None
 
 
 def _sdpa_batched(q, k, v, causal, scale):
@@ -156,40 +202,3 @@ def _varlen(q, k, v, cu_seqlens, max_seqlen, causal, scale):
     cu = cu_seqlens.to(torch.int32)
     return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
 
-
-def cudnn_unavailable(q: torch.Tensor) -> str | None:
-    """None if the cuDNN ragged backend can run on q, else why not."""
-    if not q.is_cuda:
-        return "cuDNN attention needs CUDA tensors"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"cuDNN attention needs bf16/fp16, got {q.dtype}"
-    version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-    if version is None or version < 90000:
-        return f"cuDNN >= 9.0 is needed, found {version}"
-    if not hasattr(torch.ops.aten, "_cudnn_attention_forward"):
-        return f"torch {torch.__version__} has no aten._cudnn_attention_forward"
-    return None
-
-
-class _CudnnRagged(torch.autograd.Function):
-    """cuDNN attention over a packed row: q [T, H, D], k/v [T, Hkv, D], one causal (or full)
-    block per segment of ``cu_seqlens``. No host sync: ``max_seqlen`` is a host int from the
-    collate (or the row length under CUDA graphs)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, causal, scale):
-        cu = cu_seqlens.to(torch.int32)
-        out = torch.ops.aten._cudnn_attention_forward(
-            q, k, v, None, cu, cu, max_seqlen, max_seqlen, True, 0.0, causal, False, scale=scale)
-        o, lse, seed, offset = out[0], out[1], out[6], out[7]
-        ctx.save_for_backward(q, k, v, o, lse, seed, offset, cu)
-        ctx.max_seqlen, ctx.causal, ctx.scale = max_seqlen, causal, scale
-        return o
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, o, lse, seed, offset, cu = ctx.saved_tensors
-        n = ctx.max_seqlen
-        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
-            grad.contiguous(), q, k, v, o, lse, seed, offset, None, cu, cu, n, n, 0.0, ctx.causal, scale=ctx.scale)
-        return dq, dk, dv, None, None, None, None

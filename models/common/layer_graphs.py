@@ -52,7 +52,9 @@ class StaticBatch:
     """Fixed-shape device buffers for one packed row of ``seq`` tokens with at most
     ``max_samples`` segments; ``load`` fills them from a micro-batch's PackedRowParams."""
 
-    def __init__(self, seq: int, max_samples: int, rope: torch.Tensor, device):
+    def __init__(self, seq: int, max_samples: int, rope: torch.Tensor, device, one_segment: bool = False):
+        """``one_segment``: metadata for rows that hold one sample; ``max_seqlen`` is then exact
+        and attention may take its offset-free path (PackedRowParams.one_segment)."""
         self.seq, self.max_samples = seq, max_samples
         n_cu = max_samples + 2  # segment ``max_samples`` is always empty: the padding rows' target
         self.cu32 = torch.full((n_cu,), seq, dtype=torch.int32, device=device)
@@ -63,7 +65,7 @@ class StaticBatch:
         self.params = PackedRowParams(
             qkv_format="thd", cu_seqlens_q=self.cu32, cu_seqlens_kv=self.cu32, cu_seqlens_q_padded=self.cu32,
             cu_seqlens_kv_padded=self.cu32, max_seqlen_q=seq, max_seqlen_kv=seq,
-            gdn_varlen=GDNVarlen(self.cu64, self.chunks))
+            gdn_varlen=GDNVarlen(self.cu64, self.chunks), static_shape=not one_segment)
 
     def refusal(self, params, rope) -> str | None:
         """None if this micro-batch fits the buffers, else why not."""
@@ -166,27 +168,50 @@ def _fused_linears(layer: torch.nn.Module) -> list[torch.nn.Module]:
             and hasattr(getattr(m, "weight", None), "main_grad")]
 
 
-class DecoderGraphs:
-    """Routes each decoder layer's forward through its graphs when the micro-batch fits."""
+class GraphSet:
+    """The graphs of every decoder layer for one kind of row, and their static metadata."""
 
-    def __init__(self, layers, max_samples: int, graph_factory=None):
+    def __init__(self, static: StaticBatch, graphs: list[LayerGraph]):
+        self.static, self.graphs = static, graphs
+
+
+PACKED, ONE_SEGMENT = "packed rows", "one-sample rows"
+
+
+class DecoderGraphs:
+    """Routes each decoder layer's forward through its graphs when the micro-batch fits.
+
+    Two kinds of rows may get their own graph set (``one_segment_graphs``): a row holding one
+    sample runs attention without offsets (cuDNN, models/common/attention.py), which a graph
+    captured on a packed row cannot do, since its static ``max_seqlen`` is only a bound. Each kind
+    is captured when first seen; the sets share one memory pool (their replays never overlap)."""
+
+    def __init__(self, layers, max_samples: int, graph_factory=None, one_segment_graphs: bool = False):
         self.layers = list(layers)
         self.max_samples = max_samples
+        self.one_segment_graphs = one_segment_graphs
         self.eager = [layer.forward for layer in self.layers]
         self._new_graph = graph_factory or (lambda: torch.cuda.CUDAGraph())
-        self.static: StaticBatch | None = None
-        self.graphs: list[LayerGraph] | None = None
+        self.sets: dict[str, GraphSet] = {}
+        self._pool = None
         self.failed: str | None = None
         self.eager_batches: Counter = Counter()  # reason -> micro-batches run eagerly
         self.graphed_batches = 0
         self._current = None  # the PackedRowParams the graphs hold this micro-batch, else None
+        self._active: GraphSet | None = None
         for i, layer in enumerate(self.layers):
             layer.forward = functools.partial(self._forward, i)
 
     @property
     def captures(self) -> int:
         """Graph sets captured so far (a step that captures runs slower)."""
-        return 0 if self.graphs is None else 1
+        return len(self.sets)
+
+    @property
+    def graphs(self) -> list[LayerGraph] | None:
+        """The packed rows' layer graphs (or the only set's), None before any capture."""
+        chosen = self.sets.get(PACKED) or next(iter(self.sets.values()), None)
+        return None if chosen is None else chosen.graphs
 
     def close(self) -> None:
         """Give the layers their eager forward back and drop the graphs and their memory pool
@@ -194,7 +219,7 @@ class DecoderGraphs:
         as the benchmark's transformers baseline, needs that memory)."""
         for layer in self.layers:
             layer.__dict__.pop("forward", None)
-        self.graphs, self.static, self._current = None, None, None
+        self.sets, self._pool, self._current, self._active = {}, None, None, None
         self.eager = []
 
     # ------------------------------------------------------------------ per micro-batch
@@ -204,17 +229,23 @@ class DecoderGraphs:
             self._current = self._begin(hidden_states, kw)
         if self._current is None or params is not self._current:
             return self.eager[i](hidden_states=hidden_states, **kw)
-        graph = self.graphs[i]
+        graph = self._active.graphs[i]
         return Replay.apply(graph, hidden_states, *graph.params), kw.get("context")
+
+    def _kind(self, hidden, params) -> str:
+        one = self.one_segment_graphs and params.one_segment(hidden.shape[0])
+        return ONE_SEGMENT if one else PACKED
 
     def _begin(self, hidden, kw):
         reason = self._refusal(hidden, kw)
-        if reason is None and self.graphs is None:
-            reason = self._try_capture(hidden, kw)
+        kind = self._kind(hidden, kw["packed_seq_params"]) if reason is None else None
+        if reason is None and kind not in self.sets:
+            reason = self._try_capture(hidden, kw, kind)
         if reason is not None:
             count_eager(self.eager_batches, reason, "decoder layers")
             return None
-        self.static.load(kw["packed_seq_params"], kw["rotary_pos_emb"])
+        self._active = self.sets[kind]
+        self._active.static.load(kw["packed_seq_params"], kw["rotary_pos_emb"])
         self.graphed_batches += 1
         return kw["packed_seq_params"]
 
@@ -232,32 +263,36 @@ class DecoderGraphs:
                 return f"{key} is given"
         if hidden.dim() != 3 or hidden.shape[1] != 1:
             return "not one packed row"
-        if self.static is not None:
-            if hidden.shape != self.graphs[0].static_in.shape or hidden.dtype != self.graphs[0].static_in.dtype:
-                return f"a row of {hidden.shape[0]} tokens, not {self.static.seq} (train.seq_length)"
-            return self.static.refusal(params, kw.get("rotary_pos_emb"))
+        existing = self.sets.get(self._kind(hidden, params))
+        if existing is not None:
+            static_in = existing.graphs[0].static_in
+            if hidden.shape != static_in.shape or hidden.dtype != static_in.dtype:
+                return f"a row of {hidden.shape[0]} tokens, not {existing.static.seq} (train.seq_length)"
+            return existing.static.refusal(params, kw.get("rotary_pos_emb"))
         return None
 
     # ------------------------------------------------------------------ capture
-    def _try_capture(self, hidden, kw) -> str | None:
-        static = StaticBatch(hidden.shape[0], self.max_samples, kw["rotary_pos_emb"], hidden.device)
+    def _try_capture(self, hidden, kw, kind: str) -> str | None:
+        static = StaticBatch(hidden.shape[0], self.max_samples, kw["rotary_pos_emb"], hidden.device,
+                             one_segment=kind == ONE_SEGMENT)
         reason = static.refusal(kw["packed_seq_params"], kw["rotary_pos_emb"])
         if reason is not None:
             return reason
         static.load(kw["packed_seq_params"], kw["rotary_pos_emb"])
         self._phase = "warm-up"
         try:
-            self.graphs = self._capture(hidden, kw, static)
+            graphs = self._capture(hidden, kw, static)
         except Exception as e:  # noqa: BLE001 - any capture failure: say so, train on eagerly
             self.failed = f"{self._phase}: {failure_summary(e)}"
             log.warning("CUDA graphs: capture failed, the decoder layers stay eager: %s", self.failed)
+            self.sets, self._pool = {}, None
             gc.collect()  # the half-built graphs hold a private memory pool: give it back now
             if hidden.is_cuda:
                 torch.cuda.empty_cache()
             return f"capture failed: {self.failed}"
-        self.static = static
-        log.info("CUDA graphs: captured %d decoder layers (forward and backward) for rows of %d tokens, "
-                 "up to %d samples", len(self.graphs), static.seq, static.max_samples)
+        self.sets[kind] = GraphSet(static, graphs)
+        log.info("CUDA graphs: captured %d decoder layers (forward and backward) for %s of %d tokens, "
+                 "up to %d samples", len(graphs), kind, static.seq, static.max_samples)
         return None
 
     def _capture(self, hidden, kw, static: StaticBatch) -> list[LayerGraph]:
@@ -292,7 +327,9 @@ class DecoderGraphs:
             finally:
                 for m in fused_modules:
                     m.gradient_accumulation_fusion = True
-            pool = torch.cuda.graph_pool_handle() if on_gpu else None
+            if self._pool is None and on_gpu:
+                self._pool = torch.cuda.graph_pool_handle()
+            pool = self._pool
             for fn, graph in zip(fns, graphs):
                 # zeros, not empty: the CPU stand-in really runs the capture pass, and a zero
                 # input and output gradient make its fused main_grad adds exact no-ops
@@ -401,7 +438,8 @@ def use_side_stream() -> torch.cuda.Stream:
     return previous
 
 
-def install(language_model, max_samples: int, graph_factory=None) -> DecoderGraphs:
+def install(language_model, max_samples: int, graph_factory=None, one_segment_graphs: bool = False) -> DecoderGraphs:
     """Route ``language_model``'s decoder layers through CUDA graphs (after the DDP wrap, so the
-    fused weight-gradient path sees main_grad; ``use_side_stream()`` before the model is built)."""
-    return DecoderGraphs(language_model.decoder.layers, max_samples, graph_factory)
+    fused weight-gradient path sees main_grad; ``use_side_stream()`` before the model is built).
+    ``one_segment_graphs``: capture a second set for one-sample rows (their attention differs)."""
+    return DecoderGraphs(language_model.decoder.layers, max_samples, graph_factory, one_segment_graphs)

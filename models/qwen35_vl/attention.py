@@ -19,7 +19,8 @@ from megatron.core.transformer.module import MegatronModule
 
 from kernels import fused_mrope
 from models.common.attention import attention
-from multimodal.context_parallel import cp_info, heads_to_tokens, segment_boundaries, split_heads, tokens_to_heads
+from multimodal.context_parallel import (PackedRowParams, cp_info, heads_to_tokens, segment_boundaries, split_heads,
+                                         tokens_to_heads)
 from models.qwen35_vl.mrope import apply_rotary, axis_of_frequency, mrope_angles
 
 
@@ -84,9 +85,10 @@ class CoreAttention(MegatronModule):
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             cu = segment_boundaries(packed_seq_params)
             q, k, v = (t.reshape(t.shape[0], t.shape[-2], t.shape[-1]) for t in (query, key, value))
+            one = isinstance(packed_seq_params, PackedRowParams) and packed_seq_params.one_segment(q.shape[0])
             out = attention(
                 q, k, v, causal=True, scale=self.scale, cu_seqlens=cu,
-                max_seqlen=packed_seq_params.max_seqlen_q, backend=self.backend,
+                max_seqlen=packed_seq_params.max_seqlen_q, backend=self.backend, one_segment=one,
             )
             return out.reshape(out.shape[0], -1)
         # megatron layout [S, B, H, D] -> ours [B, S, H, D]

@@ -33,6 +33,7 @@ class VisionGeometry:
     rot_pos: torch.Tensor  # [N_patches, 2] (row, col) in merge-block order
     interp_index: torch.Tensor  # [N_patches, 4] rows of the learned position table
     interp_weight: torch.Tensor  # [N_patches, 4]
+    one_segment: bool = False  # one frame of one image: attention needs no offsets (cuDNN, dense)
 
 
 def vision_geometry(grid_thw: torch.Tensor, merge: int, grid_side: int, device) -> VisionGeometry:
@@ -48,6 +49,7 @@ def vision_geometry(grid_thw: torch.Tensor, merge: int, grid_side: int, device) 
         rot_pos=to_device_async(_cat([p[0] for p in parts], (0, 2), torch.long), device),
         interp_index=to_device_async(_cat([p[1] for p in parts], (0, 4), torch.long), device),
         interp_weight=to_device_async(_cat([p[2] for p in parts], (0, 4), torch.float32), device),
+        one_segment=len(frames) == 1,
     )
 
 
@@ -107,7 +109,7 @@ class VisionBlock(nn.Module):
             k = apply_rotary(k.float(), angles).to(v.dtype)
         a = attention(
             q, k, v, causal=False, cu_seqlens=geo.cu_seqlens, max_seqlen=geo.max_seqlen,
-            backend=self.attn_backend,
+            backend=self.attn_backend, one_segment=geo.one_segment,
         )
         x = x + self.proj(a.reshape(n, -1))
         return x + self.fc2(F.gelu(self.fc1(self.norm2(x)), approximate="tanh"))

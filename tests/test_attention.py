@@ -1,0 +1,96 @@
+"""Attention backend routing (models/common/attention.py) on the CPU.
+
+cuDNN cannot run here, so the routing is checked with the device test forced open: a row the
+caller marks as one segment goes to the dense (offset-free) path, whose numbers must equal the
+packed path's; every other row keeps its offsets; a refusal by cuDNN warns once and falls back.
+The kernels themselves are compared on the GPU by scripts/bench_attention.py.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from models.common import attention as attn
+from multimodal.context_parallel import PackedRowParams
+
+
+def _qkv(tokens=48, hq=4, hkv=2, d=8):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(tokens, h, d, generator=g, requires_grad=True) for h in (hq, hkv, hkv)]
+
+
+@pytest.fixture
+def cudnn_open(monkeypatch):
+    """The device and dtype test passes (as on an H200 in bf16); the dense call is recorded and run
+    through SDPA."""
+    calls = []
+    monkeypatch.setattr(attn, "cudnn_dense_unavailable", lambda q: None)
+
+    def fake_dense(q, k, v, causal, scale):
+        calls.append(tuple(q.shape))
+        rep = q.shape[2] // k.shape[2]
+        return attn._sdpa_batched(q, k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2), causal, scale)
+
+    monkeypatch.setattr(attn, "_cudnn_dense", fake_dense)
+    return calls
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_one_segment_row_takes_the_dense_path_with_the_same_numbers(cudnn_open, causal):
+    q, k, v = _qkv()
+    cu = torch.tensor([0, 48], dtype=torch.int32)
+    out = attn.attention(q, k, v, causal=causal, cu_seqlens=cu, max_seqlen=48, one_segment=True)
+    assert cudnn_open == [(1, 48, 4, 8)]  # [B=1, T, H, D]: the packed row as one batch row
+    ref = attn.attention(q, k, v, causal=causal, cu_seqlens=cu, max_seqlen=48, backend="sdpa")
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), g)
+    for a, b in zip(grads, ref_grads):  # dk, dv summed back over the repeated heads
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_rows_with_offsets_keep_them(cudnn_open):
+    q, k, v = _qkv()
+    cu = torch.tensor([0, 20, 48], dtype=torch.int32)
+    attn.attention(q, k, v, causal=True, cu_seqlens=cu, max_seqlen=28)  # two samples: not one segment
+    attn.attention(q, k, v, causal=True, cu_seqlens=torch.tensor([0, 48], dtype=torch.int32), max_seqlen=48,
+                   one_segment=True, backend="sdpa")  # an explicit backend is obeyed
+    assert cudnn_open == []
+    attn.attention(*(t[None] for t in (q, k, v)), causal=True)  # an unpacked batch needs no offsets
+    assert cudnn_open == [(1, 48, 4, 8)]
+
+
+def test_packed_row_params_know_one_segment_rows():
+    cu = torch.tensor([0, 48], dtype=torch.int32)
+    row = PackedRowParams(qkv_format="thd", cu_seqlens_q=cu, max_seqlen_q=48)
+    assert row.one_segment(48)
+    assert not PackedRowParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 20, 48]), max_seqlen_q=28).one_segment(48)
+    # the CUDA graphs' static metadata: max_seqlen is the row length whatever the samples
+    assert not PackedRowParams(qkv_format="thd", cu_seqlens_q=cu, max_seqlen_q=48, static_shape=True).one_segment(48)
+
+
+def test_a_cudnn_refusal_warns_once_and_falls_back(monkeypatch, caplog):
+    # the real _cudnn_dense on CPU tensors: SDPA restricted to cuDNN finds no kernel and raises
+    monkeypatch.setattr(attn, "cudnn_dense_unavailable",
+                        lambda q: attn._cudnn_refused[0] if attn._cudnn_refused else None)
+    monkeypatch.setattr(attn, "_cudnn_refused", [])
+    q, k, v = _qkv()
+    cu = torch.tensor([0, 48], dtype=torch.int32)
+    with caplog.at_level(logging.WARNING, logger=attn.log.name):
+        out = attn.attention(q, k, v, causal=True, cu_seqlens=cu, max_seqlen=48, one_segment=True)
+        again = attn.attention(q, k, v, causal=True, cu_seqlens=cu, max_seqlen=48, one_segment=True)
+    assert attn._cudnn_refused and "cuDNN refused" in attn._cudnn_refused[0]
+    assert sum("cuDNN attention is off" in r.message for r in caplog.records) == 1
+    ref = attn.attention(q, k, v, causal=True, cu_seqlens=cu, max_seqlen=48, backend="sdpa")
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(again, ref)
+
+
+def test_cudnn_is_not_used_off_cuda_or_in_fp32():
+    q = torch.zeros(4, 2, 8)
+    assert "bf16/fp16" in attn.cudnn_dense_unavailable(q)
+    assert "CUDA" in attn.cudnn_dense_unavailable(q.bfloat16())
