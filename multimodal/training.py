@@ -36,7 +36,6 @@ from multimodal.loss import masked_token_loss
 from multimodal.memory import MemoryTools
 from multimodal.metrics import MetricsSink
 from models.common import layer_graphs, wgrad_fusion
-from models.common.attention import cudnn_device_unavailable
 from multimodal.platform import Runtime, init_distributed, seed_everything, use_deterministic_algorithms
 from multimodal.profiling import StepProfiler
 
@@ -88,7 +87,7 @@ def build_model_and_optimizer(cfg: Config, rt: Runtime, dtype: torch.dtype):
             raise ConfigError("train.cuda_graphs=true needs a GPU; set it to false here")
         t = cfg.train
         # one-sample rows take cuDNN attention under `auto` (models/common/attention.py): their own graphs
-        one_segment = cfg.model.attention_backend == "auto" and cudnn_device_unavailable(rt.device) is None
+        one_segment = layer_graphs.one_segment_set_wanted(cfg.model.attention_backend, rt.device)
         model.decoder_graphs = layer_graphs.install(model.language_model, t.cuda_graph_max_samples,
                                                     one_segment_graphs=one_segment)
         vision = getattr(model, "vision_model", None)

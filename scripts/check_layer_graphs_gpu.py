@@ -140,7 +140,8 @@ def main(argv=None) -> int:
 
     eager = [accumulate() for _ in range(2)]
     result["eager_ms_per_micro_batch"] = timed()
-    graphs = layer_graphs.install(model.language_model, t.cuda_graph_max_samples)
+    one_segment = layer_graphs.one_segment_set_wanted(cfg.model.attention_backend, torch.device("cuda"))
+    graphs = layer_graphs.install(model.language_model, t.cuda_graph_max_samples, one_segment_graphs=one_segment)
     graphed = [accumulate() for _ in range(2)]
     result["capture_failed"] = graphs.failed
     result["graphed_batches"] = graphs.graphed_batches

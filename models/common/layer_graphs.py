@@ -438,6 +438,13 @@ def use_side_stream() -> torch.cuda.Stream:
     return previous
 
 
+def one_segment_set_wanted(attention_backend: str, device: torch.device) -> bool:
+    """Whether one-sample rows need their own graphs: only when ``auto`` attention gives them cuDNN."""
+    from models.common.attention import cudnn_device_unavailable
+
+    return attention_backend == "auto" and cudnn_device_unavailable(torch.device(device)) is None
+
+
 def install(language_model, max_samples: int, graph_factory=None, one_segment_graphs: bool = False) -> DecoderGraphs:
     """Route ``language_model``'s decoder layers through CUDA graphs (after the DDP wrap, so the
     fused weight-gradient path sees main_grad; ``use_side_stream()`` before the model is built).
