@@ -200,6 +200,10 @@ class TrainConfig:
     # them (further sizes run eagerly, counted). 0 = the vision encoder stays eager.
     cuda_graph_vision_bucket: int = 1024
     cuda_graph_vision_max_buckets: int = 8
+    # The backward graphs add the parameter gradients into DDP's main_grad themselves (megatron's
+    # grad_added_to_main_grad convention), instead of returning static gradients that autograd
+    # copies and DDP's hook then adds in one launch per parameter. false: the old path.
+    cuda_graph_grads_to_main_grad: bool = True
 
 
 @dataclass

@@ -89,11 +89,13 @@ def build_model_and_optimizer(cfg: Config, rt: Runtime, dtype: torch.dtype):
         # one-sample rows take cuDNN attention under `auto` (models/common/attention.py): their own graphs
         one_segment = layer_graphs.one_segment_set_wanted(cfg.model.attention_backend, rt.device)
         model.decoder_graphs = layer_graphs.install(model.language_model, t.cuda_graph_max_samples,
-                                                    one_segment_graphs=one_segment)
+                                                    one_segment_graphs=one_segment,
+                                                    grads_to_main_grad=t.cuda_graph_grads_to_main_grad)
         vision = getattr(model, "vision_model", None)
         if t.cuda_graph_vision_bucket and hasattr(vision, "install_cuda_graphs"):  # the model's own router
             model.vision_graphs = vision.install_cuda_graphs(t.cuda_graph_vision_bucket, t.cuda_graph_vision_max_buckets,
-                                                             t.cuda_graph_max_samples)
+                                                             t.cuda_graph_max_samples,
+                                                             grads_to_main_grad=t.cuda_graph_grads_to_main_grad)
     o = cfg.optimizer
     opt_cfg = McoreOptimizerConfig(
         optimizer=o.name,

@@ -141,7 +141,8 @@ def main(argv=None) -> int:
     eager = [accumulate() for _ in range(2)]
     result["eager_ms_per_micro_batch"] = timed()
     one_segment = layer_graphs.one_segment_set_wanted(cfg.model.attention_backend, torch.device("cuda"))
-    graphs = layer_graphs.install(model.language_model, t.cuda_graph_max_samples, one_segment_graphs=one_segment)
+    graphs = layer_graphs.install(model.language_model, t.cuda_graph_max_samples, one_segment_graphs=one_segment,
+                                  grads_to_main_grad=t.cuda_graph_grads_to_main_grad)
     graphed = [accumulate() for _ in range(2)]
     result["capture_failed"] = graphs.failed
     result["graphed_batches"] = graphs.graphed_batches
@@ -159,7 +160,8 @@ def main(argv=None) -> int:
     # 4. the vision encoder's graphs on top (padded rows: its GEMMs may round differently, so the
     # losses are compared with a tolerance, the gradients against the same bound)
     vision = model.vision_model.install_cuda_graphs(t.cuda_graph_vision_bucket, t.cuda_graph_vision_max_buckets,
-                                                    t.cuda_graph_max_samples)
+                                                    t.cuda_graph_max_samples,
+                                                    grads_to_main_grad=t.cuda_graph_grads_to_main_grad)
     both = [accumulate() for _ in range(2)]
     result["vision_capture_failed"] = vision.failed
     result["vision_buckets"] = sorted(vision.buckets)

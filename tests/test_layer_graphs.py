@@ -47,13 +47,14 @@ def _setup(overrides=()):
     return model, wrap_ddp(model), packed_rows(cfg, [(0, 1), (2,), (3, 4, 5)])
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_graphed_layers_equal_eager_layers(mcore, fused):
+@pytest.mark.parametrize("fused, to_main_grad", [(False, False), (True, False), (False, True), (True, True)])
+def test_graphed_layers_equal_eager_layers(mcore, fused, to_main_grad):
     model, ddp, batches = _setup()
     if fused:
         assert wgrad_fusion.enable(ddp) > 0
     eager_losses, eager_grads = accumulate(ddp, model, batches)
-    graphs = layer_graphs.install(model.language_model, max_samples=4, graph_factory=layer_graphs.EagerStandIn)
+    graphs = layer_graphs.install(model.language_model, max_samples=4, graph_factory=layer_graphs.EagerStandIn,
+                                  grads_to_main_grad=to_main_grad)
     for _ in range(2):  # the first pass captures, the second only replays
         losses, grads = accumulate(ddp, model, batches)
         for a, b in zip(losses, eager_losses):
@@ -65,6 +66,10 @@ def test_graphed_layers_equal_eager_layers(mcore, fused):
     assert graphs.captures == 1  # reported per step in metrics.jsonl (cuda_graph_captures)
     if fused:  # the linear weights' gradients went into main_grad inside the backward "graph"
         assert all(g.fused for g in graphs.graphs)
+    for g in graphs.graphs:  # to_main_grad: every other parameter gradient too, none handed to autograd
+        assert g.fused.isdisjoint(g.added)
+        assert (g.fused | g.added == set(range(len(g.params)))) == to_main_grad
+        assert bool(g.added) == to_main_grad
 
 
 def _one_sample(batch):
@@ -180,15 +185,17 @@ def test_vision_bucket_pads_segments_and_positions():
     assert torch.equal(ref.angles[:44], angles) and not ref.angles[44:].any()
 
 
-@pytest.mark.parametrize("with_decoder", [False, True])
-def test_graphed_vision_encoder_equals_eager(mcore, with_decoder):
+@pytest.mark.parametrize("with_decoder, to_main_grad", [(False, False), (True, False), (True, True)])
+def test_graphed_vision_encoder_equals_eager(mcore, with_decoder, to_main_grad):
     model, ddp, batches = _setup()
     # 44, 16 and 112 patches -> buckets of 64, 32 and 128 rows
     assert [b["pixel_values"].shape[0] for b in batches] == [44, 16, 112]
     eager_losses, eager_grads = accumulate(ddp, model, batches)
     if with_decoder:
-        layer_graphs.install(model.language_model, max_samples=4, graph_factory=layer_graphs.EagerStandIn)
-    graphs = model.vision_model.install_cuda_graphs(32, 8, 8, graph_factory=layer_graphs.EagerStandIn)
+        layer_graphs.install(model.language_model, max_samples=4, graph_factory=layer_graphs.EagerStandIn,
+                             grads_to_main_grad=to_main_grad)
+    graphs = model.vision_model.install_cuda_graphs(32, 8, 8, graph_factory=layer_graphs.EagerStandIn,
+                                                    grads_to_main_grad=to_main_grad)
     for _ in range(2):  # the first pass captures each bucket, the second only replays
         losses, grads = accumulate(ddp, model, batches)
         for a, b in zip(losses, eager_losses):
@@ -196,6 +203,16 @@ def test_graphed_vision_encoder_equals_eager(mcore, with_decoder):
         _assert_rounding_close(grads, eager_grads)
     assert graphs.failed is None and not graphs.eager_batches
     assert sorted(graphs.buckets) == [32, 64, 128] and graphs.graphed_batches == 6 and graphs.captures == 3
+    # to_main_grad: no shared gradient buffers; every gradient the graph computes is added to main_grad,
+    # and the embeddings, which run outside the graph, are left to their own backward (a placeholder
+    # for them would make DDP's hook drop their real gradient)
+    names = [n for n, _ in model.vision_model.named_parameters()]
+    buffered = {n for n, b in zip(names, graphs.grads) if b is not None}
+    assert buffered == (set() if to_main_grad else set(names))
+    for bucket in graphs.buckets.values():
+        added = {names[j] for j in bucket.graph.added}
+        outside = {n for n in names if n.startswith(("patch_embed.", "pos_embed."))}
+        assert outside and added == (set(names) - outside if to_main_grad else set())
 
 
 def test_vision_micro_batches_that_do_not_fit_run_eagerly_and_are_counted(mcore):

@@ -98,9 +98,14 @@ class StaticBatch:
 class LayerGraph:
     """One layer's forward and backward graphs and their static tensors."""
 
-    def __init__(self, params: list[torch.nn.Parameter], fused: set[int]):
+    def __init__(self, params: list[torch.nn.Parameter], fused: set[int], to_main_grad: bool = False):
         self.params = params
         self.fused = fused  # indices into params whose weight gradient the graph adds to main_grad
+        # to_main_grad: the backward graph also adds every other parameter gradient it computes into
+        # main_grad (``added``, filled at capture), instead of handing autograd a static copy that
+        # AccumulateGrad clones and DDP's hook then adds: two passes over the gradients saved
+        self.to_main_grad = to_main_grad
+        self.added: set[int] = set()
         self.fwd = self.bwd = None
         self.static_in = self.static_out = self.static_grad_out = None
         self.static_grads: tuple = ()
@@ -108,7 +113,7 @@ class LayerGraph:
     def param_grads(self) -> list:
         out = []
         for i, (p, g) in enumerate(zip(self.params, self.static_grads[1:])):
-            if i in self.fused:
+            if i in self.fused or i in self.added:
                 # megatron's convention for a gradient already in main_grad: a placeholder the
                 # DDP hook skips because of the flag (a fresh tensor, so autograd does not copy it)
                 p.grad_added_to_main_grad = True
@@ -186,10 +191,12 @@ class DecoderGraphs:
     captured on a packed row cannot do, since its static ``max_seqlen`` is only a bound. Each kind
     is captured when first seen; the sets share one memory pool (their replays never overlap)."""
 
-    def __init__(self, layers, max_samples: int, graph_factory=None, one_segment_graphs: bool = False):
+    def __init__(self, layers, max_samples: int, graph_factory=None, one_segment_graphs: bool = False,
+                 grads_to_main_grad: bool = False):
         self.layers = list(layers)
         self.max_samples = max_samples
         self.one_segment_graphs = one_segment_graphs
+        self.grads_to_main_grad = grads_to_main_grad
         self.eager = [layer.forward for layer in self.layers]
         self._new_graph = graph_factory or (lambda: torch.cuda.CUDAGraph())
         self.sets: dict[str, GraphSet] = {}
@@ -302,7 +309,8 @@ class DecoderGraphs:
         for layer in self.layers:
             params = [p for p in layer.parameters() if p.requires_grad]
             fused_weights = {id(m.weight) for m in _fused_linears(layer)}
-            graphs.append(LayerGraph(params, {j for j, p in enumerate(params) if id(p) in fused_weights}))
+            graphs.append(LayerGraph(params, {j for j, p in enumerate(params) if id(p) in fused_weights},
+                                     to_main_grad=self.grads_to_main_grad))
         fused_modules = [m for layer in self.layers for m in _fused_linears(layer)]
         flags = {id(p): getattr(p, "grad_added_to_main_grad", None) for g in graphs for p in g.params}
         on_gpu = hidden.is_cuda
@@ -371,9 +379,25 @@ def _warm_fused_wgrad(modules, hidden) -> None:
 
 
 def graph_backward(graph: LayerGraph):
+    """The backward a graph captures: input and parameter gradients. With ``graph.to_main_grad``
+    each parameter gradient is added into its main_grad here and not returned (None).
+
+    Only for parameters used inside the graph alone (a decoder layer's, the vision blocks'): autograd
+    would otherwise sum the placeholder with the gradient from outside, which the flagged DDP hook
+    then drops. Parameters without a gradient here (unused, or used only outside) are left alone."""
     # the test stand-in (EagerStandIn) re-runs the forward at each replay: use its latest output
     out = getattr(graph.fwd, "latest", graph.static_out)
-    return torch.autograd.grad(out, (graph.static_in, *graph.params), graph.static_grad_out, allow_unused=True)
+    grads = torch.autograd.grad(out, (graph.static_in, *graph.params), graph.static_grad_out, allow_unused=True)
+    if not graph.to_main_grad:
+        return grads
+    kept = [grads[0]]
+    for j, (p, g) in enumerate(zip(graph.params, grads[1:])):
+        if g is not None and j not in graph.fused and getattr(p, "main_grad", None) is not None:
+            p.main_grad.add_(g)  # replayed: main_grad += this micro-batch's gradient
+            graph.added.add(j)
+            g = None
+        kept.append(g)
+    return tuple(kept)
 
 
 def record(graph, fn, pool):
@@ -445,8 +469,11 @@ def one_segment_set_wanted(attention_backend: str, device: torch.device) -> bool
     return attention_backend == "auto" and cudnn_device_unavailable(torch.device(device)) is None
 
 
-def install(language_model, max_samples: int, graph_factory=None, one_segment_graphs: bool = False) -> DecoderGraphs:
+def install(language_model, max_samples: int, graph_factory=None, one_segment_graphs: bool = False,
+            grads_to_main_grad: bool = False) -> DecoderGraphs:
     """Route ``language_model``'s decoder layers through CUDA graphs (after the DDP wrap, so the
     fused weight-gradient path sees main_grad; ``use_side_stream()`` before the model is built).
-    ``one_segment_graphs``: capture a second set for one-sample rows (their attention differs)."""
-    return DecoderGraphs(language_model.decoder.layers, max_samples, graph_factory, one_segment_graphs)
+    ``one_segment_graphs``: capture a second set for one-sample rows (their attention differs).
+    ``grads_to_main_grad``: the backward graphs add the parameter gradients into main_grad."""
+    return DecoderGraphs(language_model.decoder.layers, max_samples, graph_factory, one_segment_graphs,
+                         grads_to_main_grad)

@@ -78,7 +78,8 @@ class _Bucket:
 class VisionGraphs:
     """Routes ``encoder.blocks_and_merger`` through per-bucket graphs when the micro-batch fits."""
 
-    def __init__(self, encoder, bucket: int, max_buckets: int, max_images: int, graph_factory=None):
+    def __init__(self, encoder, bucket: int, max_buckets: int, max_images: int, graph_factory=None,
+                 grads_to_main_grad: bool = False):
         if bucket % encoder.merge**2:
             raise ValueError(f"the vision graph bucket ({bucket} patches) must be a multiple of "
                              f"spatial_merge_size^2 = {encoder.merge**2}")
@@ -90,6 +91,7 @@ class VisionGraphs:
         self.buckets: dict[int, _Bucket] = {}
         self.params = [p for p in encoder.parameters() if p.requires_grad]
         self.grads: list[torch.Tensor] | None = None  # shared by every bucket's backward graph
+        self.grads_to_main_grad = grads_to_main_grad  # see LayerGraph.to_main_grad
         self.pool = None
         self.failed: str | None = None
         self.eager_batches: Counter = Counter()
@@ -164,10 +166,11 @@ class VisionGraphs:
 
     def _capture(self, bucket: _Bucket, x: torch.Tensor) -> None:
         fn = functools.partial(self.eager, angles=bucket.angles, geo=bucket.geo)
-        if self.grads is None:
-            self.grads = [torch.zeros_like(p) for p in self.params]
+        if self.grads is None:  # None: the graph adds that gradient to main_grad (or computes none)
+            self.grads = [None if self.grads_to_main_grad and getattr(p, "main_grad", None) is not None
+                          else torch.zeros_like(p) for p in self.params]
             self.pool = torch.cuda.graph_pool_handle() if x.is_cuda else None
-        graph = LayerGraph(self.params, fused=set())
+        graph = LayerGraph(self.params, fused=set(), to_main_grad=self.grads_to_main_grad)
         graph.static_in = torch.zeros((bucket.rows, x.shape[1]), dtype=x.dtype, device=x.device,
                                       requires_grad=True)
         with torch.no_grad():
@@ -187,16 +190,20 @@ class VisionGraphs:
         bucket.graph = graph
 
     def _backward_into_shared(self, graph: LayerGraph) -> tuple:
-        grads = graph_backward(graph)
+        grads = graph_backward(graph)  # with to_main_grad: None for what went into main_grad
+        out = [grads[0]]
         for buf, g in zip(self.grads, grads[1:]):
-            if g is None:
-                buf.zero_()
-            else:
-                buf.copy_(g)
-        return (grads[0], *self.grads)
+            if buf is not None:
+                if g is None:  # the patch and position embeddings: used outside the graph only
+                    buf.zero_()
+                else:
+                    buf.copy_(g)
+            out.append(buf)
+        return tuple(out)
 
 
-def install(encoder, bucket: int, max_buckets: int, max_images: int, graph_factory=None) -> VisionGraphs:
+def install(encoder, bucket: int, max_buckets: int, max_images: int, graph_factory=None,
+            grads_to_main_grad: bool = False) -> VisionGraphs:
     """Route ``encoder``'s blocks and merger through per-bucket CUDA graphs (``use_side_stream()``
     of models.common.layer_graphs before the model is built, as for the decoder graphs)."""
-    return VisionGraphs(encoder, bucket, max_buckets, max_images, graph_factory)
+    return VisionGraphs(encoder, bucket, max_buckets, max_images, graph_factory, grads_to_main_grad)
