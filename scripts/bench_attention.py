@@ -18,8 +18,10 @@ same packed inputs ``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` with ``cu_seqlens``:
 - ``cudnn_dense`` / ``flash_dense``: SDPA on ``[1, H, T, D]``, only when the row is one sample.
 
 Per backend: forward and forward+backward milliseconds (CUDA events, triton's do_bench), TFLOP/s
-over the causal-masked FLOPs actually needed, and the largest relative difference of the output
-and of dq, dk, dv against ``flash_varlen``. A backend that cannot run prints why.
+over the causal-masked FLOPs actually needed, the largest relative difference of the output and
+of dq, dk, dv against ``flash_varlen``, and (``err_fp32_*``) against an fp32 SDPA reference on the
+same inputs, which says which bf16 kernel is closer to the exact result. A backend that cannot
+run prints why.
 """
 
 from __future__ import annotations
@@ -112,6 +114,16 @@ def backends(causal: bool, one_sample: bool):
     return out
 
 
+def _fp32_reference(q, k, v, g, cu, max_len, causal):
+    """Output and input gradients in fp32 (SDPA with a block-diagonal mask), freed after use."""
+    from models.common.attention import attention
+
+    qf, kf, vf = (t.detach().float().requires_grad_() for t in (q, k, v))
+    out = attention(qf, kf, vf, causal=causal, cu_seqlens=cu, max_seqlen=max_len, backend="sdpa")
+    grads = torch.autograd.grad(out, (qf, kf, vf), g.float())
+    return (out.detach(), *grads)
+
+
 def _rel(a, b) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
 
@@ -130,6 +142,7 @@ def run_shape(name, seq, samples, reps_ms):
     max_len = max(b - a for a, b in zip(cu_list, cu_list[1:]))
     fwd_flops, bwd_flops = _flops(cu_list, hq, d, causal)
     ref = None
+    exact = _fp32_reference(q, k, v, g, cu, max_len, causal)
     rows = []
     for backend, fn in backends(causal, samples == 1).items():
         row = dict(shape=name, seq=seq, samples=samples, hq=hq, hkv=hkv, head_dim=d, causal=causal, backend=backend)
@@ -140,6 +153,8 @@ def run_shape(name, seq, samples, reps_ms):
                 ref = (out, *grads)
             row.update({f"rel_diff_{n}": round(_rel(a, b), 5) for n, a, b in zip(("out", "dq", "dk", "dv"),
                                                                                  (out, *grads), ref)})
+            row.update({f"err_fp32_{n}": round(_rel(a, b), 5) for n, a, b in zip(("out", "dq", "dk", "dv"),
+                                                                                 (out, *grads), exact)})
 
             def fb():
                 torch.autograd.grad(fn(q, k, v, cu, max_len), (q, k, v), g)
@@ -159,7 +174,8 @@ def run_shape(name, seq, samples, reps_ms):
             print(f"{name:11} T={seq} samples={samples} {backend:17} fwd {row['fwd_ms']:7.3f} ms "
                   f"({row['fwd_tflops']:5.0f} TF/s)  bwd {row['bwd_ms']:7.3f} ms ({row['bwd_tflops']:5.0f} TF/s)  "
                   f"diff out {row['rel_diff_out']:.1e} dq {row['rel_diff_dq']:.1e} dk {row['rel_diff_dk']:.1e} "
-                  f"dv {row['rel_diff_dv']:.1e}", flush=True)
+                  f"dv {row['rel_diff_dv']:.1e}  vs fp32 out {row['err_fp32_out']:.1e} dq {row['err_fp32_dq']:.1e} "
+                  f"dk {row['err_fp32_dk']:.1e} dv {row['err_fp32_dv']:.1e}", flush=True)
     return rows
 
 
