@@ -403,6 +403,10 @@ def main(argv: list[str] | None = None) -> dict:
     result.update({k: None for k in hf_keys})
     result["speedup_vs_hf"] = None
     if not args.skip_hf:
+        # our half first: a run cut short inside transformers' half (a timeout) keeps our figures
+        _write(args.json, dict(result, hf_error="not finished: the transformers half had not completed"))
+        print(f"bench_train: ours {result['tokens_per_s']} tokens/s, {result['step_time_s']} s/step "
+              f"(written to {args.json}); transformers next", file=sys.stderr, flush=True)
         import transformers
 
         result["transformers"] = transformers.__version__
@@ -438,13 +442,16 @@ def main(argv: list[str] | None = None) -> dict:
             result["speedup_vs_hf"] = result["tokens_per_s"] / result["hf_tokens_per_s"]
     if args.recompute_sweep:
         result["recompute_sweep"] = recompute_sweep(args, out_dir, forced, rt)
-    text = json.dumps(result, indent=1)
-    print(text)
+    print(json.dumps(result, indent=1))
     _summary(result)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text + "\n")
+    _write(args.json, result)
     return result
+
+
+def _write(path: str | None, result: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=1) + "\n")
 
 
 def _summary(r: dict) -> None:
