@@ -114,6 +114,12 @@ def main(argv=None) -> int:
     t = cfg.train
     result["fused_wgrad_layers"] = fused
     result["samples_per_row"] = [len(b["sample_lengths"]) for b in batches]
+    # The vision graphs pad a micro-batch's patches into a bucket whose padding rows are a segment of
+    # their own, so they always run flash varlen; under `auto` the eager encoder gives a one-image
+    # micro-batch cuDNN instead. Pin the eager reference to the graphs' kernel: stage 4 then
+    # compares graphs with eager, not two attention kernels.
+    for block in model.vision_model.blocks:
+        block.attn_backend = "varlen"
 
     def micro_batch(batch):
         loss = model(batch["tokens"], batch["position_ids"], labels=batch["labels"],
