@@ -94,3 +94,12 @@ def test_cudnn_is_not_used_off_cuda_or_in_fp32():
     q = torch.zeros(4, 2, 8)
     assert "bf16/fp16" in attn.cudnn_dense_unavailable(q)
     assert "CUDA" in attn.cudnn_dense_unavailable(q.bfloat16())
+
+
+def test_graphs_keep_a_one_sample_set_only_where_auto_gives_those_rows_cudnn(monkeypatch):
+    from models.common import layer_graphs
+
+    assert not layer_graphs.one_segment_set_wanted("auto", torch.device("cpu"))  # no cuDNN here
+    monkeypatch.setattr(attn, "cudnn_device_unavailable", lambda device: None)  # as on an H200
+    assert layer_graphs.one_segment_set_wanted("auto", torch.device("cuda"))
+    assert not layer_graphs.one_segment_set_wanted("varlen", torch.device("cuda"))  # flash for every row
