@@ -79,7 +79,7 @@ class ModelConfig:
     eos_token_id: int = 1005
     pad_token_id: int = 1006
     # kernels
-    attention_backend: str = "auto"  # auto | sdpa | varlen | cudnn (models/common/attention.py)
+    attention_backend: str = "auto"  # auto | sdpa | varlen (models/common/attention.py)
     gdn_backend: str = "auto"  # auto | fla | torch
     # Fused Triton kernels beside PyTorch references (kernels/fused_mrope.py, fused_pre_gdr.py).
     # null / auto: the kernels on GPU, the PyTorch path on CPU (model.py FUSED_KERNELS_BY_DEFAULT).

@@ -79,8 +79,8 @@ def attention(
         raise ValueError(f"attention backend {backend!r} unknown; choose one of {BACKENDS}")
     packed = cu_seqlens is not None
     if backend == "auto" and (one_segment or not packed) and cudnn_dense_unavailable(q) is None:
-        out = _cudnn_dense(q[None] if packed else q, k[None] if packed else k, v[None] if packed else v,
-                           causal, scale)
+        batched = (t[None] for t in (q, k, v)) if packed else (q, k, v)  # a packed row: one batch row
+        out = _cudnn_dense(*batched, causal, scale)
         if out is not None:
             return out[0] if packed else out
     if backend in ("auto", "varlen") and packed:
@@ -99,11 +99,6 @@ def attention(
 _cudnn_refused: list[str] = []  # set once cuDNN refused an input: auto stops trying it
 
 
-@functools.cache
-def _capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
-
-
 def cudnn_dense_unavailable(q: torch.Tensor) -> str | None:
     """None if ``auto`` runs cuDNN's fused attention on q's device and dtype, else why not."""
     if q.dtype not in (torch.float16, torch.bfloat16):
@@ -118,10 +113,16 @@ def cudnn_device_unavailable(device: torch.device) -> str | None:
         return "needs CUDA tensors"
     if _cudnn_refused:
         return _cudnn_refused[0]
+    return _cudnn_device_reason(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cudnn_device_reason(device_index: int) -> str | None:
+    """Checked once per device: every attention call of ``auto`` asks."""
     version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     if version is None or version < 90000:
         return f"needs cuDNN >= 9.0 (found {version})"
-    if _capability(device.index if device.index is not None else torch.cuda.current_device())[0] < 9:
+    if torch.cuda.get_device_capability(device_index)[0] < 9:
         return "measured faster than flash attention on Hopper only"
     return None
 
@@ -130,9 +131,7 @@ def _cudnn_dense(q, k, v, causal, scale):
     """[B, S, H, D] through SDPA's cuDNN backend alone; None (after one warning) if cuDNN refuses."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    if k.shape[2] != q.shape[2]:  # GQA: repeat k/v to the query heads (autograd sums dk, dv back)
-        rep = q.shape[2] // k.shape[2]
-        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    k, v = _repeat_kv(k, v, q.shape[2], dim=2)
     try:
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             return _sdpa_batched(q, k, v, causal, scale)
@@ -197,8 +196,13 @@ def _varlen(q, k, v, cu_seqlens, max_seqlen, causal, scale):
         if "enable_gqa" in params:
             kwargs["enable_gqa"] = True
         else:
-            rep = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            k, v = _repeat_kv(k, v, q.shape[1], dim=1)
     cu = cu_seqlens.to(torch.int32)
     return fn(q, k, v, cu, cu, max_seqlen, max_seqlen, **kwargs)
 
+
+def _repeat_kv(k, v, q_heads: int, dim: int):
+    """GQA without kernel support: repeat each k/v head for the query heads it serves (head h
+    reads kv head h // rep); autograd sums dk, dv back."""
+    rep = q_heads // k.shape[dim]
+    return (k, v) if rep == 1 else (k.repeat_interleave(rep, dim=dim), v.repeat_interleave(rep, dim=dim))
