@@ -89,15 +89,15 @@ if triton is not None:
     # row length change from batch to batch; Triton would otherwise compile a new variant (and
     # re-run the autotuner) whenever one of them becomes 1 or a multiple of 16 mid-training.
 
-    def _configs(alternative):
+    def _configs(*choices):
+        """(BLOCK_T, num_warps) pairs; the first is the only one when autotuning is off. Chosen from
+        the H200 sweep (scripts/sweep_pre_gdr.py, docs/benchmarks/README.md session 8): small token
+        blocks with few warps won for every kernel, and the backward's per-program dw partials
+        (4 x BLOCK_T x BLOCK_C fp32) spill registers beyond BLOCK_T 16."""
         if interpreting():  # several configs cannot be benchmarked without a GPU; big blocks = fewer
             return [triton.Config({"BLOCK_T": 32}, num_warps=4)]  # interpreted ops (the slow part)
-        base = triton.Config({"BLOCK_T": 16}, num_warps=8)
-        if not autotuning():
-            return [base]
-        # two configs: every one is compiled per head layout on first use (the backward unrolls
-        # 4 shifts x 4 taps x the head repeat, so its compile is the slow part)
-        return [base, triton.Config({"BLOCK_T": alternative[0]}, num_warps=alternative[1])]
+        configs = [triton.Config({"BLOCK_T": bt}, num_warps=nw) for bt, nw in choices]
+        return configs if autotuning() else configs[:1]
 
     @triton.jit
     def _sample_bounds(cu_ptr, n_cu, s, S, VARLEN: tl.constexpr, CU_STEPS: tl.constexpr):
@@ -130,7 +130,7 @@ if triton is not None:
         log1p = tl.where(u == 1.0, e, tl.log(u) * e / (u - 1.0))
         return tl.where(x > 20.0, x, tl.maximum(x, 0.0) + log1p)
 
-    @triton.autotune(configs=_configs((32, 4)), key=["C", "NK", "NV", "K", "V", "VARLEN"])
+    @triton.autotune(configs=_configs((16, 2), (8, 1), (32, 4)), key=["C", "NK", "NV", "K", "V", "VARLEN"])
     @triton.jit(do_not_specialize=["S", "n_cu", "sxb", "sbb", "sab"])
     def _pre_gdr_fwd(
         x_ptr, w_ptr, b_ptr, a_ptr, alog_ptr, dt_ptr, cu_ptr,
@@ -144,10 +144,16 @@ if triton is not None:
         smask = s < S
         start, end = _sample_bounds(cu_ptr, n_cu, s, S, VARLEN, CU_STEPS)
         is_v = head >= 2 * NK
-        c0 = tl.where(is_v, 2 * NK * K + (head - 2 * NK) * V, head * K)
-        width = tl.where(is_v, V, K)
         cc = tl.arange(0, BLOCK_C)
-        cmask = cc < width
+        if K == V:
+            # every head has the same width (all Qwen3.5 models): a compile-time mask and an offset
+            # that is a multiple of K let Triton vectorise the loads and stores. With the runtime
+            # width below it cannot, and the kernel ran at 29% of copy bandwidth on the H200.
+            c0 = head * K
+            cmask = cc < K
+        else:
+            c0 = tl.where(is_v, 2 * NK * K + (head - 2 * NK) * V, head * K)
+            cmask = cc < tl.where(is_v, V, K)
         c = c0 + cc
         xrow = x_ptr + bi * sxb + s[:, None] * sxs + c[None, :]
         u = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
@@ -235,7 +241,7 @@ if triton is not None:
         tl.store(prow + 1, tl.sum(a2, axis=0), mask=cmask)
         tl.store(prow + 0, tl.sum(a3, axis=0), mask=cmask)
 
-    @triton.autotune(configs=_configs((8, 4)), key=["C", "NK", "NV", "K", "V", "VARLEN", "TPP"])
+    @triton.autotune(configs=_configs((8, 2), (8, 4)), key=["C", "NK", "NV", "K", "V", "VARLEN", "TPP"])
     @triton.jit(do_not_specialize=["S", "n_cu", "sxb", "sbb", "sab"])
     def _pre_gdr_bwd(
         x_ptr, w_ptr, b_ptr, a_ptr, alog_ptr, dt_ptr, cu_ptr,
@@ -371,10 +377,10 @@ class _FusedPreGDR(torch.autograd.Function):
             BLOCK_C=triton.next_power_of_2(max(K, V)), CU_STEPS=cu_steps(n_cu), TPP=tpp,
         )
         # phase 2: fold the taps back onto the conv input
-        bt = 32
+        bt = 32 if interpreting() else 16  # 16 x 128 with 2 warps: best of the H200 sweep (session 8)
         _conv_fold[(triton.cdiv(S, bt), triton.cdiv(C, 128), B)](
             du, weight, cu, dx, S, n_cu, C=C, VARLEN=cu_seqlens is not None,
-            CU_STEPS=cu_steps(n_cu), BLOCK_T=bt, BLOCK_C=128, num_warps=4,
+            CU_STEPS=cu_steps(n_cu), BLOCK_T=bt, BLOCK_C=128, num_warps=2,
         )
         dw = dw_part.sum(0).to(weight.dtype)
         dalog = alog_part.sum(0).to(A_log.dtype)
