@@ -35,6 +35,12 @@ logit (non-zero only on the rank owning the label). Backward needs no communicat
 the function; the partial ``dh`` of each rank is summed by the caller's region ops
 (``copy_to_tensor_model_parallel_region`` / the sequence-parallel all-gather's backward
 reduce-scatter), exactly as for megatron's ColumnParallelLinear output layer.
+
+``weight_grad`` (set by models/common/wgrad_fusion.py with ``model.grad_accum_fusion``):
+"main_grad" adds each ``dW`` slice into ``weight.main_grad`` inside its GEMM (fp32
+accumulation, no [V, H] bf16 gradient) and hands autograd the usual placeholder;
+"main_grad_only" does the same and hands autograd nothing, for a weight tied to an embedding
+whose own backward returns the placeholder (so no two [V, H] tensors are summed).
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from kernels import ce_triton
+from models.common import wgrad_fusion
 from kernels.triton_support import unavailable_reason
 
 
@@ -80,7 +87,8 @@ def _chunk(total: int, other: int, requested: int | None, budget: int) -> int:
 
 class _FusedLinearCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, vocab_start, token_chunk, vocab_chunk, group, ignore_index):
+    def forward(ctx, hidden, weight, labels, vocab_start, token_chunk, vocab_chunk, group, ignore_index,
+                weight_grad):
         n, vocab_local = hidden.shape[0], weight.shape[0]
         local = labels - vocab_start
         in_shard = (local >= 0) & (local < vocab_local)
@@ -112,6 +120,8 @@ class _FusedLinearCE(torch.autograd.Function):
         loss = (lse - target) * keep
         ctx.save_for_backward(hidden, weight, safe, in_shard, keep, lse)
         ctx.vocab_chunk = vocab_chunk
+        ctx.weight_grad = weight_grad
+        ctx.weight = weight if weight_grad != "autograd" else None  # the Parameter, for its main_grad
         return loss
 
     @staticmethod
@@ -119,12 +129,13 @@ class _FusedLinearCE(torch.autograd.Function):
         hidden, weight, safe, in_shard, keep, lse = ctx.saved_tensors
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_h or need_w):
-            return (None,) * 8
+            return (None,) * 9
         n, vocab_local = hidden.shape[0], weight.shape[0]
         g = (grad_loss.float() * keep)[:, None]
         kernel = _use_triton(hidden)
         grad_h = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None
-        grad_w = torch.empty_like(weight) if need_w else None
+        to_main_grad = need_w and ctx.weight_grad != "autograd"
+        grad_w = torch.empty_like(weight) if need_w and not to_main_grad else None
         step = _chunk(vocab_local, n, ctx.vocab_chunk, DEFAULT_CHUNK_ELEMENTS)
         for v0 in range(0, vocab_local, step):
             v1 = min(v0 + step, vocab_local)
@@ -141,27 +152,37 @@ class _FusedLinearCE(torch.autograd.Function):
                 p.scatter_add_(1, col[:, None], -hit.to(p.dtype)[:, None])
                 p.mul_(g)
                 p = p.to(weight.dtype)
-            if need_w:
+            if to_main_grad:
+                wgrad_fusion.accumulate_wgrad(hidden, p, ctx.weight.main_grad[v0:v1])
+            elif need_w:
                 torch.mm(p.t(), hidden, out=grad_w[v0:v1])
             if need_h:
                 grad_h += p @ w
             del p
         if need_h:
             grad_h = grad_h.to(hidden.dtype)
-        return grad_h, grad_w, None, None, None, None, None, None
+        if to_main_grad and ctx.weight_grad == "main_grad":
+            grad_w = wgrad_fusion.added_to_main_grad(ctx.weight)
+        return grad_h, grad_w, None, None, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                                tp_group=None, vocab_start: int | None = None, token_chunk: int | None = None,
-                               vocab_chunk: int | None = None, ignore_index: int = -100) -> torch.Tensor:
+                               vocab_chunk: int | None = None, ignore_index: int = -100,
+                               weight_grad: str = "autograd") -> torch.Tensor:
     """Per-token cross-entropy of ``hidden @ weight^T`` against ``labels``, fp32, shape of ``labels``.
 
     hidden [..., H], labels [...] (same leading shape), weight [V_local, H] (this rank's vocab
     rows; ``vocab_start`` defaults to ``tp_rank * V_local``). ``token_chunk`` / ``vocab_chunk``
     override the forward / backward chunk sizes (default: ~2**27 logits per chunk). Labels
     equal to ``ignore_index`` give loss 0 and no gradient. The caller handles TP regions for
-    ``hidden`` (see ``vocab_parallel_linear_cross_entropy``).
+    ``hidden`` (see ``vocab_parallel_linear_cross_entropy``). ``weight_grad``: "autograd"
+    (default), or "main_grad" / "main_grad_only" (module doc).
     """
+    if weight_grad not in ("autograd", "main_grad", "main_grad_only"):
+        raise ValueError(f"weight_grad must be autograd, main_grad or main_grad_only, got {weight_grad!r}")
+    if weight_grad != "autograd" and not hasattr(weight, "main_grad"):
+        raise ValueError(f"weight_grad={weight_grad} needs a weight with main_grad (wrap the model in DDP first)")
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} disagree")
     if weight.shape[-1] != hidden.shape[-1]:
@@ -173,7 +194,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
     if not h2.is_contiguous():
         h2 = h2.contiguous()
     loss = _FusedLinearCE.apply(h2, weight, labels.reshape(-1), vocab_start, token_chunk, vocab_chunk,
-                                tp_group, ignore_index)
+                                tp_group, ignore_index, weight_grad)
     return loss.view(labels.shape)
 
 

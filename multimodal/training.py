@@ -80,8 +80,10 @@ def build_model_and_optimizer(cfg: Config, rt: Runtime, dtype: torch.dtype):
         average_in_collective=False,  # per-token loss: the one division is by the token count
     )
     ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
-    if wgrad_fusion.resolve(cfg.model.grad_accum_fusion):  # needs DDP's main_grad buffers: after the wrap
-        log.info("weight-gradient accumulation fusion in %d linear layers", wgrad_fusion.enable(ddp))
+    graphs_add = rt.is_cuda and cfg.train.cuda_graphs and cfg.train.cuda_graph_grads_to_main_grad
+    if wgrad_fusion.resolve(cfg.model.grad_accum_fusion, graphs_add):  # needs DDP's main_grad: after the wrap
+        log.info("weight-gradient accumulation fusion: %d weights (linear layers, embedding, LM head)",
+                 wgrad_fusion.enable(ddp))
     if cfg.train.cuda_graphs:  # after the fusion: the graphs capture its main_grad writes
         if not rt.is_cuda:
             raise ConfigError("train.cuda_graphs=true needs a GPU; set it to false here")

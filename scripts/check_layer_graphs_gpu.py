@@ -83,7 +83,8 @@ def trainer_model_and_batches(config: str, overrides: list[str], micro_batches: 
     model = get_model_builder(m.name)(m, cfg.parallel, torch.bfloat16).cuda()
     ddp = DistributedDataParallel(config=model.config, module=model,
                                   ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
-    fused = wgrad_fusion.enable(ddp) if wgrad_fusion.resolve(m.grad_accum_fusion) else 0
+    # as training resolves it: the graphs below add into main_grad (stage 2 installs them so)
+    fused = wgrad_fusion.enable(ddp) if wgrad_fusion.resolve(m.grad_accum_fusion, t.cuda_graph_grads_to_main_grad) else 0
     dataset = build_dataset(m, cfg.data, t.seq_length)
     loader = iter(MicroBatchIterator(dataset, t.seq_length, m.pad_token_id, m.image_token_id,
                                      m.vision.spatial_merge_size, True, 1, 0, 1))

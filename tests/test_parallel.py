@@ -151,7 +151,9 @@ def pp2_run(tmp_path_factory, dense_init):
 @pytest.mark.parametrize("layout", [
     ["parallel.tp=2"],
     ["parallel.tp=2", "parallel.sequence_parallel=true"],
-], ids=["tp2", "tp2_sp"])
+    # weight gradients into main_grad: the vocab-parallel lookup (ids outside the shard) and head
+    ["parallel.tp=2", "model.grad_accum_fusion=true"],
+], ids=["tp2", "tp2_sp", "tp2_wgrad_fusion"])
 def test_tp_matches_one_process(tmp_path, dense_init, dense_packed_ref, layout):
     got = _run(tmp_path, DENSE, *PACKED, f"checkpoint.load={dense_init}", *layout, nproc=2)
     _compare(dense_packed_ref, got, "+".join(layout))
@@ -160,6 +162,15 @@ def test_tp_matches_one_process(tmp_path, dense_init, dense_packed_ref, layout):
 @pytest.mark.slow
 def test_pp2_matches_one_process(dense_packed_ref, pp2_run):
     _compare(dense_packed_ref, pp2_run[1], "parallel.pp=2")
+
+
+@pytest.mark.slow
+def test_pp2_wgrad_fusion_matches_one_process(tmp_path, dense_init, dense_packed_ref):
+    """The tied embedding's lookup (stage 0) and LM head (stage 1, its own copy) both add into
+    main_grad; megatron then sums the two stages' main_grad."""
+    got = _run(tmp_path, DENSE, *PACKED, f"checkpoint.load={dense_init}", "parallel.pp=2",
+               "model.grad_accum_fusion=true", nproc=2)
+    _compare(dense_packed_ref, got, "pp2+grad_accum_fusion")
 
 
 @pytest.mark.slow

@@ -12,9 +12,17 @@ fp32 accumulation, beta = 1 into the fp32 buffer. ``install()`` hands megatron a
 module with Apex's two entry points built on it. The result differs from the unfused path
 only in that the weight gradient is not rounded to bf16 before it is added (more exact).
 
-Measured on the H200 (2B recipe, torch 2.11, docs/benchmarks/README.md, session 5) it is
-slower, not faster: 0.377 s/step with it, 0.342 s without. So ``null`` leaves it off; it stays
-available (``true``) for the exact fp32 accumulation and for other GPUs and torch releases.
+The vocabulary weights take the same road (``enable``): the word embedding's backward adds
+its rows into ``main_grad`` with one ``index_add_`` (the unfused backward builds a dense
+[vocab, hidden] bf16 gradient, 0.5G elements on the 2B, for the few thousand rows a batch
+touches), and the fused LM head (kernels/fused_linear_ce.py) adds its weight gradient there in
+its GEMM. With tied weights both go into the one shared ``main_grad`` and autograd sees one
+placeholder: nothing dense is summed, copied or added.
+
+Measured on the H200: eager (2B recipe, torch 2.11, session 5) it was slower, 0.377 s/step
+against 0.342. Under CUDA graphs that add the other gradients into main_grad inside the graph
+(``train.cuda_graph_grads_to_main_grad``, session 8, the issue's batch) it is faster: 0.214 and
+0.215 s/step against 0.217, 0.220 and 0.222 without. So ``null`` turns it on exactly there.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import functools
 import types
 
 import torch
+import torch.nn.functional as F
 
 
 def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
@@ -63,12 +72,12 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def resolve(requested: bool | None) -> bool:
-    """model.grad_accum_fusion: null -> off (measured slower on the H200, see the module doc);
-    true -> on, or a clear error."""
+def resolve(requested: bool | None, graphs_add_to_main_grad: bool = False) -> bool:
+    """model.grad_accum_fusion: null -> on where it measured faster (CUDA graphs that add the other
+    gradients into main_grad, see the module doc), else off; true -> on, or a clear error."""
     reason = unavailable_reason()
     if requested is None:
-        return False
+        return graphs_add_to_main_grad and reason is None and torch.cuda.is_available()
     if requested and reason is not None:
         raise RuntimeError(f"model.grad_accum_fusion=true cannot run: {reason}; set it to null or false")
     return bool(requested)
@@ -77,17 +86,115 @@ def resolve(requested: bool | None) -> bool:
 def enable(model: torch.nn.Module) -> int:
     """Switch the fusion on in every megatron linear layer of ``model`` whose weight has a
     ``main_grad`` (set by megatron's DDP wrapper, which must come first: the fused backward
-    writes there). Returns how many layers use it. Models built without DDP (conversion,
-    parity scripts) keep the plain backward."""
+    writes there), and for the vocabulary weights (word embedding, fused LM head). Returns how
+    many weights use it. Models built without DDP (conversion, parity scripts) keep the plain
+    backward."""
     from megatron.core.tensor_parallel import layers
 
     layers.fused_weight_gradient_mlp_cuda = types.SimpleNamespace(
         wgrad_gemm_accum_fp32=wgrad_gemm_accum_fp32, wgrad_gemm_accum_fp16=wgrad_gemm_accum_fp16)
     layers._grad_accum_fusion_available = True
-    count = 0
+    fused = set()
     for module in model.modules():
         if isinstance(module, (layers.ColumnParallelLinear, layers.RowParallelLinear)) and hasattr(
                 getattr(module, "weight", None), "main_grad"):
             module.gradient_accumulation_fusion = True
-            count += 1
-    return count
+            fused.add(id(module.weight))
+    return len(fused | _enable_vocabulary(model))
+
+
+# ----------------------------------------------------------------------------- vocabulary weights
+
+
+def accumulate_wgrad(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+    """main_grad += grad_output^T @ total_input, for an fp32 or a low-precision main_grad."""
+    if main_grad.dtype == torch.float32:
+        wgrad_gemm_accum_fp32(total_input, grad_output, main_grad)
+    else:
+        wgrad_gemm_accum_fp16(total_input, grad_output, main_grad)
+
+
+def added_to_main_grad(weight: torch.Tensor) -> torch.Tensor:
+    """What a backward returns for a weight whose gradient it already added into main_grad.
+
+    megatron's DDP hook then skips its add (``grad_added_to_main_grad``) and drops the tensor.
+    It must be a real tensor, not None: with ``overlap_grad_reduce`` the hook is what marks the
+    weight ready for the all-reduce. ``empty`` is never written (megatron's linears return the
+    same), and in the weight's own layout, so autograd takes it as the gradient without a copy.
+    Zeros where megatron marked the weight ``zero_out_wgrad`` (a tied embedding whose lookup
+    still returns a dense gradient): the hook then adds the sum, and the zeros add nothing."""
+    weight.grad_added_to_main_grad = True
+    if getattr(weight, "zero_out_wgrad", False):  # megatron's mark: the hook adds it (see _enable_vocabulary)
+        return torch.zeros_like(weight)
+    return torch.empty_like(weight)
+
+
+class _EmbeddingToMainGrad(torch.autograd.Function):
+    """F.embedding whose backward adds the looked-up rows' gradients into ``weight.main_grad``."""
+
+    @staticmethod
+    def forward(ctx, ids, weight):
+        ctx.save_for_backward(ids)
+        ctx.weight = weight
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ids,) = ctx.saved_tensors
+        weight = ctx.weight
+        main_grad = weight.main_grad
+        # atomics on CUDA, like F.embedding's own backward: not bit-deterministic, so the
+        # deterministic mode (train.deterministic) keeps megatron's path (see _eligible)
+        main_grad.index_add_(0, ids.reshape(-1), grad.reshape(-1, grad.shape[-1]).to(main_grad.dtype))
+        return None, added_to_main_grad(weight)
+
+
+def _embedding_forward(module, input_):
+    """megatron's VocabParallelEmbedding.forward (no sequence-parallel scatter), lookup fused."""
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    tp = module.tp_group.size()
+    ids = input_
+    if tp > 1:  # ids outside this rank's vocabulary shard look up row 0 and are zeroed after
+        outside = (input_ < module.vocab_start_index) | (input_ >= module.vocab_end_index)
+        ids = (input_ - module.vocab_start_index).masked_fill(outside, 0)
+    out = _EmbeddingToMainGrad.apply(ids, module.weight)
+    if tp > 1:
+        out = out.masked_fill(outside[..., None], 0.0)
+        out = reduce_from_tensor_model_parallel_region(out, group=module.tp_group)
+    return out
+
+
+def _eligible(embedding) -> bool:
+    return (hasattr(embedding.weight, "main_grad") and not embedding.deterministic_mode
+            and not embedding.reduce_scatter_embeddings and getattr(embedding, "gtp_remat_size", 1) <= 1)
+
+
+def _enable_vocabulary(model: torch.nn.Module) -> set[int]:
+    """Word embeddings and fused LM heads of ``model``'s language models; returns their weights' ids."""
+    from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
+
+    fused = set()
+    for module in model.modules():
+        if isinstance(module, VocabParallelEmbedding) and _eligible(module):
+            module.forward = functools.partial(_embedding_forward, module)
+            fused.add(id(module.weight))
+    for lm in model.modules():
+        if not getattr(lm, "post_process", False) or not hasattr(lm, "lm_head_grad"):
+            continue
+        tied = lm.share_embeddings_and_output_weights
+        weight = lm.shared_embedding_or_output_weight() if tied else lm.output_layer.weight
+        if not hasattr(weight, "main_grad"):
+            continue
+        # Tied and this rank's embedding fused: that backward (the last one) returns the one
+        # placeholder, so the head returns None and autograd sums nothing. Otherwise the head
+        # is the weight's only user here and returns the placeholder itself.
+        lm.lm_head_grad = "main_grad_only" if id(weight) in fused else "main_grad"
+        if id(weight) in fused or not tied:
+            # every user of the weight here adds into main_grad: megatron's tied-weight mark (the
+            # hook adds param.grad regardless, placeholders being zeros) would add garbage
+            weight.zero_out_wgrad = False
+        if tied:  # megatron's own output layer (no labels, or model.fused_linear_ce=false) too
+            lm.output_layer.gradient_accumulation_fusion = True
+        fused.add(id(weight))
+    return fused

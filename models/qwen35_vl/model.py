@@ -42,6 +42,9 @@ class Qwen35LanguageModel(GPTModel):
     # Loss through kernels.fused_linear_ce (no [tokens, vocab] logits); set by build() from
     # model.fused_linear_ce. False keeps megatron's output layer + vocab_parallel_cross_entropy.
     fused_linear_ce: bool = False
+    # How the fused LM head hands back its weight gradient: "autograd", or into main_grad
+    # ("main_grad" / "main_grad_only"), set by models/common/wgrad_fusion.enable
+    lm_head_grad: str = "autograd"
 
     def _postprocess(self, hidden_states, **kwargs):
         from megatron.core.inference.utils import InferenceMode  # noqa: PLC0415
@@ -61,7 +64,7 @@ class Qwen35LanguageModel(GPTModel):
         index = getattr(kwargs.get("packed_seq_params"), "loss_token_index", None)
         return vocab_parallel_linear_cross_entropy(
             hidden_states, weight, labels, tp_group=self.tp_group,
-            sequence_parallel=self.output_layer.sequence_parallel, token_index=index)
+            sequence_parallel=self.output_layer.sequence_parallel, token_index=index, weight_grad=self.lm_head_grad)
 
     def _preprocess(self, input_ids, position_ids, *args, **kwargs):
         out = list(super()._preprocess(input_ids, position_ids, *args, **kwargs))
