@@ -104,10 +104,13 @@ class ModelConfig:
     # most of the tokens, this removes most of the LM head's work (tokens x hidden x vocab x 6);
     # the reported FLOPs then count the LM head at those tokens only. false: every token.
     sparse_lm_head: bool = True
-    # Add each linear layer's weight gradient into the fp32 main_grad inside its backward GEMM
-    # (models/common/wgrad_fusion.py) instead of a bf16 gradient plus a separate add per weight.
-    # null = off: on the H200 with torch 2.11 it measured slower (0.377 vs 0.342 s/step, 2B);
-    # true = on (exact fp32 accumulation of every weight gradient), or an error where it cannot run.
+    # Add each weight gradient into the fp32 main_grad inside its backward GEMM (linear layers,
+    # the fused LM head) or lookup (word embedding, index_add_), models/common/wgrad_fusion.py,
+    # instead of a bf16 gradient plus a separate add per weight (dense [vocab, hidden] for the
+    # embedding). null = on where it measured faster: with train.cuda_graphs and
+    # cuda_graph_grads_to_main_grad on a GPU (H200, 2B, issue batch: 0.214-0.215 vs 0.217-0.222
+    # s/step); off otherwise (eager it measured slower, 0.377 vs 0.342). true = on (exact fp32
+    # accumulation of every weight gradient), or an error where it cannot run.
     grad_accum_fusion: bool | None = None
     vision: VisionConfig = field(default_factory=VisionConfig)
 
