@@ -66,6 +66,8 @@ def test_graphed_layers_equal_eager_layers(mcore, fused, to_main_grad):
     assert graphs.captures == 1  # reported per step in metrics.jsonl (cuda_graph_captures)
     if fused:  # the linear weights' gradients went into main_grad inside the backward "graph"
         assert all(g.fused for g in graphs.graphs)
+        # and the graphs keep no static gradient for them (megatron's placeholder is dropped)
+        assert all(g.static_grads[1 + j] is None for g in graphs.graphs for j in g.fused)
     for g in graphs.graphs:  # to_main_grad: every other parameter gradient too, none handed to autograd
         assert g.fused.isdisjoint(g.added)
         assert (g.fused | g.added == set(range(len(g.params)))) == to_main_grad

@@ -388,11 +388,15 @@ def graph_backward(graph: LayerGraph):
     # the test stand-in (EagerStandIn) re-runs the forward at each replay: use its latest output
     out = getattr(graph.fwd, "latest", graph.static_out)
     grads = torch.autograd.grad(out, (graph.static_in, *graph.params), graph.static_grad_out, allow_unused=True)
-    if not graph.to_main_grad:
-        return grads
     kept = [grads[0]]
     for j, (p, g) in enumerate(zip(graph.params, grads[1:])):
-        if g is not None and j not in graph.fused and getattr(p, "main_grad", None) is not None:
+        if j in graph.fused:
+            # megatron's placeholder (an unwritten weight-sized tensor): kept as a static output it
+            # would hold graph-pool memory the size of every fused weight, never read (param_grads
+            # hands autograd fresh ones). Likely the 2.5 GiB more peak the 2B showed with fusion
+            # on the H200 in session 8 (bf16 decoder linears: ~1.3G parameters).
+            g = None
+        elif graph.to_main_grad and g is not None and getattr(p, "main_grad", None) is not None:
             p.main_grad.add_(g)  # replayed: main_grad += this micro-batch's gradient
             graph.added.add(j)
             g = None
