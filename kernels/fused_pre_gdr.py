@@ -144,16 +144,10 @@ if triton is not None:
         smask = s < S
         start, end = _sample_bounds(cu_ptr, n_cu, s, S, VARLEN, CU_STEPS)
         is_v = head >= 2 * NK
+        c0 = tl.where(is_v, 2 * NK * K + (head - 2 * NK) * V, head * K)
+        width = tl.where(is_v, V, K)
         cc = tl.arange(0, BLOCK_C)
-        if K == V:
-            # every head has the same width (all Qwen3.5 models): a compile-time mask and an offset
-            # that is a multiple of K let Triton vectorise the loads and stores. With the runtime
-            # width below it cannot, and the kernel ran at 29% of copy bandwidth on the H200.
-            c0 = head * K
-            cmask = cc < K
-        else:
-            c0 = tl.where(is_v, 2 * NK * K + (head - 2 * NK) * V, head * K)
-            cmask = cc < tl.where(is_v, V, K)
+        cmask = cc < width
         c = c0 + cc
         xrow = x_ptr + bi * sxb + s[:, None] * sxs + c[None, :]
         u = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
