@@ -53,8 +53,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from kernels import ce_triton
-from models.common import wgrad_fusion
 from kernels.triton_support import unavailable_reason
+from models.common import wgrad_fusion
 
 
 def _use_triton(x: torch.Tensor) -> bool:
