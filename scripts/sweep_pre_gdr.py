@@ -5,8 +5,8 @@
 Each kernel (``_pre_gdr_fwd``, ``_pre_gdr_bwd`` phase 1, ``_conv_fold``) is launched directly
 with explicit block sizes and warp counts, bypassing the autotuner, and timed with
 ``triton.testing.do_bench``. Every config is run packed (cu_seqlens padded with empty tail
-segments as the CUDA graphs pad them) and, for the default config, unpacked (no sample search)
-so that the cost of finding each token's sample is visible. GB/s counts the bytes each kernel
+segments as the CUDA graphs pad them); one config per kernel (session 7's default) also runs
+unpacked (no sample search), so that the cost of finding each token's sample is visible. GB/s counts the bytes each kernel
 must move (inputs once, outputs once); the device's copy bandwidth is printed first.
 """
 

@@ -180,15 +180,16 @@ def _enable_vocabulary(model: torch.nn.Module) -> set[int]:
             module.forward = functools.partial(_embedding_forward, module)
             fused.add(id(module.weight))
     for lm in model.modules():
-        if not getattr(lm, "post_process", False) or not hasattr(lm, "lm_head_grad"):
+        if not getattr(lm, "post_process", False) or not hasattr(lm, "lm_head_weight"):
             continue
         tied = lm.share_embeddings_and_output_weights
-        weight = lm.shared_embedding_or_output_weight() if tied else lm.output_layer.weight
+        weight = lm.lm_head_weight()
         if not hasattr(weight, "main_grad"):
             continue
         # Tied and this rank's embedding fused: that backward (the last one) returns the one
         # placeholder, so the head returns None and autograd sums nothing. Otherwise the head
-        # is the weight's only user here and returns the placeholder itself.
+        # returns the placeholder itself (zeros while megatron's tied-weight mark stays, beside
+        # an unfused lookup's dense gradient: see added_to_main_grad).
         lm.lm_head_grad = "main_grad_only" if id(weight) in fused else "main_grad"
         if id(weight) in fused or not tied:
             # every user of the weight here adds into main_grad: megatron's tied-weight mark (the

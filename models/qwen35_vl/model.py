@@ -46,6 +46,12 @@ class Qwen35LanguageModel(GPTModel):
     # ("main_grad" / "main_grad_only"), set by models/common/wgrad_fusion.enable
     lm_head_grad: str = "autograd"
 
+    def lm_head_weight(self) -> torch.Tensor:
+        """Tied: the (vocab-parallel) embedding weight; untied: the output layer's. Both are
+        [V/TP, H] shards along the vocabulary, as vocab_parallel_cross_entropy expects."""
+        return (self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights
+                else self.output_layer.weight)
+
     def _postprocess(self, hidden_states, **kwargs):
         from megatron.core.inference.utils import InferenceMode  # noqa: PLC0415
 
@@ -56,10 +62,7 @@ class Qwen35LanguageModel(GPTModel):
             return super()._postprocess(hidden_states=hidden_states, **kwargs)
         from kernels.fused_linear_ce import vocab_parallel_linear_cross_entropy  # noqa: PLC0415
 
-        # Tied: the (vocab-parallel) embedding weight; untied: the output layer's. Both are
-        # [V/TP, H] shards along the vocabulary, as vocab_parallel_cross_entropy expects.
-        weight = (self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights
-                  else self.output_layer.weight)
+        weight = self.lm_head_weight()
         # model.sparse_lm_head: forward_step put the loss tokens' indices on packed batches
         index = getattr(kwargs.get("packed_seq_params"), "loss_token_index", None)
         return vocab_parallel_linear_cross_entropy(
