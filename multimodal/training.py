@@ -28,7 +28,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from data.loader import MicroBatchIterator, build_dataset
 from data.prefetch import Prefetcher
 from models import get_model_builder
-from multimodal import checkpointing, multi_tensor, platform
+from multimodal import checkpointing, flat_adamw, multi_tensor, platform
 from multimodal.config import Config, ConfigError, resolve_sources, validate
 from multimodal.flops import device_peak_tflops, training_flops
 from multimodal.forward_step import ForwardStep
@@ -118,6 +118,7 @@ def build_model_and_optimizer(cfg: Config, rt: Runtime, dtype: torch.dtype):
         multi_tensor.use_fused_adam(optimizer)
         if o.defer_grad_scaling:
             multi_tensor.defer_grad_scaling(optimizer, [ddp])
+    flat_adamw.install(optimizer, [ddp], o.flat)  # before any step: the graphs capture param addresses
     decay = o.decay_iters or cfg.train.iters
     scheduler = OptimizerParamScheduler(
         optimizer,
