@@ -98,11 +98,12 @@ def main() -> None:
     result["flat_best_ms"] = best
     print(f"saving per step: {t - best:.3f} ms")
 
-    # agreement with torch's fused AdamW on the same data (a few steps from one state)
+    # agreement with torch's fused AdamW from one fresh state (the timing loops above left theirs
+    # at inf: torch's kernel writes the unscaled gradient back, doubling it every call)
     torch.manual_seed(1)
-    for t_ in (p32, g32, m32, v32):
-        t_.copy_(torch.randn_like(t_) * (1e-3 if t_ is not p32 else 1.0))
-    v32.abs_()
+    g32 = torch.randn(total, device=dev) * 1e-3
+    p32, m32 = torch.randn(total, device=dev), torch.randn(total, device=dev) * 1e-3
+    v32 = torch.rand(total, device=dev) * 1e-6
     ref = [t_.clone() for t_ in (p32, m32, v32)]
     rps, rms, rvs = views(ref[0]), views(ref[1]), views(ref[2])
     rsteps = [torch.tensor(0.0, device=dev) for _ in ps]
@@ -111,9 +112,12 @@ def main() -> None:
         torch._fused_adamw_(rps, views(g32.clone()), rms, rvs, [], rsteps, amsgrad=False, maximize=False,
                             grad_scale=scale, **hp)
         flat_adamw(p32, g32, m32, v32, p16, starts, lengths, step=k, grad_scale=scale, **hp)
+    seg = torch.zeros(total, dtype=torch.bool, device=dev)
+    for o, n in zip(offsets, numels):
+        seg[o:o + n] = True
     errs = {name: ((a - b).abs().max() / b.abs().max()).item() for name, a, b in
             [("param", p32, ref[0]), ("exp_avg", m32, ref[1]), ("exp_avg_sq", v32, ref[2])]}
-    errs["bf16_copy"] = (p16.float() - ref[0].bfloat16().float()).abs().max().item()
+    errs["bf16_copy_vs_torch_rounding"] = (p16.float() - p32.bfloat16().float())[seg].abs().max().item()
     print("flat vs torch fused after 3 steps, max rel diff:", errs)
     result["agreement"] = errs
     if args.json:
