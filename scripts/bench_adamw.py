@@ -100,13 +100,15 @@ def main() -> None:
 
     # agreement with torch's fused AdamW from one fresh state (the timing loops above left theirs
     # at inf: torch's kernel writes the unscaled gradient back, doubling it every call)
+    del ps, gs, ms, vs, bfs, p32, g32, m32, v32
+    torch.cuda.empty_cache()
     torch.manual_seed(1)
     g32 = torch.randn(total, device=dev) * 1e-3
     p32, m32 = torch.randn(total, device=dev), torch.randn(total, device=dev) * 1e-3
     v32 = torch.rand(total, device=dev) * 1e-6
     ref = [t_.clone() for t_ in (p32, m32, v32)]
     rps, rms, rvs = views(ref[0]), views(ref[1]), views(ref[2])
-    rsteps = [torch.tensor(0.0, device=dev) for _ in ps]
+    rsteps = [torch.tensor(0.0, device=dev) for _ in offsets]
     starts, lengths = chunk_table(list(zip(offsets, numels)), dev)
     for k in range(1, 4):
         torch._fused_adamw_(rps, views(g32.clone()), rms, rvs, [], rsteps, amsgrad=False, maximize=False,

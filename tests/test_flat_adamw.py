@@ -100,6 +100,8 @@ def _megatron_optimizer(flat: bool, bf16_cuda: bool = False):
     cfg, model = proxy_model()
     if bf16_cuda:
         model = model.to("cuda", torch.bfloat16)
+    elif torch.cuda.is_available():  # megatron puts the gradient buffers on the GPU when there is one
+        model = model.cuda()
     ddp = wrap_ddp(model)
     multi_tensor.install()
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=0.0,
