@@ -77,13 +77,15 @@ if triton is not None:
             g = tl.load(g_ptr + ptr, mask=mask, other=0.0).to(tl.float32)
             m = tl.load(m_ptr + ptr, mask=mask, other=0.0)
             v = tl.load(v_ptr + ptr, mask=mask, other=0.0)
+            # IEEE sqrt and division (Triton's defaults are the approximate ones), to agree with
+            # torch's kernel to the rounding of the products
             if HAS_SCALE:
-                g = g / grad_scale
+                g = tl.div_rn(g, grad_scale)
             p = p - lr * wd * p
             m = beta1 * m + (1.0 - beta1) * g
             v = beta2 * v + (1.0 - beta2) * g * g
-            denom = tl.sqrt(v) / bc2_sqrt + eps
-            p = p - step_size * m / denom
+            denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+            p = p - tl.div_rn(step_size * m, denom)
             tl.store(p_ptr + ptr, p, mask=mask)
             tl.store(m_ptr + ptr, m, mask=mask)
             tl.store(v_ptr + ptr, v, mask=mask)
