@@ -48,8 +48,8 @@ class _FlatBuffer:
     """The flat companions of one DDP gradient buffer, and the work tables of each param group."""
     grad: torch.Tensor                      # buffer.grad_data (fp32)
     main: torch.Tensor                      # fp32 main parameters
-    exp_avg: torch.Tensor
-    exp_avg_sq: torch.Tensor
+    exp_avg: torch.Tensor | None            # None until the first step
+    exp_avg_sq: torch.Tensor | None
     model: torch.Tensor | None              # bf16/fp16 model parameters; None when main is the model
     segments: dict[int, list] = field(default_factory=dict)   # group index -> [(start, numel)]
     tables: dict[int, tuple] = field(default_factory=dict)    # group index -> (starts, lengths)
@@ -64,26 +64,24 @@ class FlatAdamW:
         self.adam = adam
         self.use_kernel = use_kernel
         self.model_params_fresh = False
-        device = pairs[0][1].device
-        steps = {float(adam.state[main]["step"]) for _, main, _, _ in pairs if "step" in adam.state.get(main, {})}
-        if len(steps) > 1:
-            raise RuntimeError(f"flat AdamW: parameters are at different steps {sorted(steps)}")
-        self.count = int(steps.pop()) if steps else 0
-        self.step_tensor = torch.tensor(float(self.count), dtype=torch.float32, device=device)
+        self.device = device = pairs[0][1].device
+        self.count = 0
+        self.step_tensor = torch.tensor(0.0, dtype=torch.float32, device=device)
         self.flat: dict[int, _FlatBuffer] = {}
         for buf in buffers:
             n = buf.grad_data.numel()
             needs_model = buf.param_dtype != torch.float32
+            # the moments come at the first step (or a load), as torch allocates them: the first
+            # step's transients (CUDA graph capture, autotuning) then do not stack on them
             self.flat[id(buf)] = _FlatBuffer(
-                grad=buf.grad_data, main=torch.zeros(n, dtype=torch.float32, device=device),
-                exp_avg=torch.zeros(n, dtype=torch.float32, device=device),
-                exp_avg_sq=torch.zeros(n, dtype=torch.float32, device=device),
-                model=torch.zeros(n, dtype=buf.param_dtype, device=device) if needs_model else None)
-        self.views = []  # (main_param, flat buffer, start, end) for re-binding after a load
+                grad=buf.grad_data, main=torch.zeros(n, dtype=torch.float32, device=device), exp_avg=None,
+                exp_avg_sq=None, model=torch.zeros(n, dtype=buf.param_dtype, device=device) if needs_model else None)
+        self.views = []  # (main_param, flat buffer, start, end) for binding the moments
         for model_param, main_param, group_index, buf in pairs:
             fb = self.flat[id(buf)]
             start, end, _ = buf.param_index_map[model_param]
-            self._bind(main_param, fb, start, end, copy_state=True)
+            fb.main[start:end].copy_(main_param.data.view(-1))
+            main_param.data = fb.main[start:end].view_as(main_param)
             if fb.model is not None and model_param is not main_param:
                 fb.model[start:end].copy_(model_param.data.view(-1))
                 model_param.data = fb.model[start:end].view_as(model_param)
@@ -91,6 +89,8 @@ class FlatAdamW:
             self.views.append((main_param, fb, start, end))
         for fb in self.flat.values():
             fb.tables = {g: chunk_table(sorted(segs), device) for g, segs in fb.segments.items()}
+        if any(self.adam.state.get(main) for main, *_ in self.views):  # installed over existing state
+            self._bind_state()
         adam.step = self.step
         adam.register_load_state_dict_post_hook(lambda _opt: self._rebind_after_load())
         original_copy = getattr(megatron_opt, "_copy_main_params_to_model_params", None)
@@ -104,26 +104,32 @@ class FlatAdamW:
             original_copy()
         megatron_opt._copy_main_params_to_model_params = copy_main_to_model
 
-    def _bind(self, main_param, fb: _FlatBuffer, start: int, end: int, copy_state: bool) -> None:
-        """Make ``main_param`` and its moments views of ``fb[start:end]``, keeping their values."""
-        fb.main[start:end].copy_(main_param.data.view(-1))
-        main_param.data = fb.main[start:end].view_as(main_param)
-        state = self.adam.state[main_param]
-        for key, flat in (("exp_avg", fb.exp_avg), ("exp_avg_sq", fb.exp_avg_sq)):
-            view = flat[start:end].view_as(main_param)
-            if copy_state and key in state:
-                view.copy_(state[key])
-            state[key] = view
-        state["step"] = self.step_tensor
+    def _bind_state(self) -> None:
+        """Make every parameter's exp_avg / exp_avg_sq views of the flat moments (allocated here the
+        first time), keeping values already in the state, and point its ``step`` at ours."""
+        states = [self.adam.state[main] for main, *_ in self.views]
+        steps = {float(st["step"]) for st in states if "step" in st}
+        if len(steps) > 1:
+            raise RuntimeError(f"flat AdamW: parameters are at different steps {sorted(steps)}")
+        self.count = int(steps.pop()) if steps else self.count
+        self.step_tensor.fill_(float(self.count))
+        for fb in self.flat.values():
+            if fb.exp_avg is None:
+                fb.exp_avg = torch.zeros_like(fb.main)
+                fb.exp_avg_sq = torch.zeros_like(fb.main)
+        for (main_param, fb, start, end), state in zip(self.views, states):
+            for key, flat in (("exp_avg", fb.exp_avg), ("exp_avg_sq", fb.exp_avg_sq)):
+                view = flat[start:end].view_as(main_param)
+                if key in state and state[key] is not view:
+                    view.copy_(state[key])
+                state[key] = view
+            state["step"] = self.step_tensor
 
     def _rebind_after_load(self) -> None:
-        steps = {float(self.adam.state[main]["step"]) for main, *_ in self.views}
-        if len(steps) != 1:
-            raise RuntimeError(f"flat AdamW: the loaded state has parameters at steps {sorted(steps)}")
-        self.count = int(steps.pop())
-        self.step_tensor.fill_(float(self.count))
-        for main_param, fb, start, end in self.views:
-            self._bind(main_param, fb, start, end, copy_state=True)
+        """torch's load_state_dict installed freshly allocated moments: copy them into the flat ones."""
+        if not any(self.adam.state.get(main) for main, *_ in self.views):
+            return  # a checkpoint from before the first step: nothing to bind yet
+        self._bind_state()
         self.model_params_fresh = False
         log.info("flat AdamW: loaded optimizer state copied into the flat buffers (step %d)", self.count)
 
@@ -133,6 +139,8 @@ class FlatAdamW:
             raise ValueError("flat AdamW takes no closure")
         if getattr(self.adam, "found_inf", None) is not None:
             raise RuntimeError("flat AdamW does not handle found_inf (fp16 loss scaling); set optimizer.flat=false")
+        if any(fb.exp_avg is None for fb in self.flat.values()):
+            self._bind_state()
         self.count += 1
         self.step_tensor.fill_(float(self.count))
         grad_scale = getattr(self.adam, "grad_scale", None)

@@ -136,7 +136,7 @@ def test_bf16_model_params_are_written_by_the_kernel_on_gpu(mcore):
         _step(model, ddp, opt, seed)
     for (name, a), (_, b) in zip(sorted(model.named_parameters()), sorted(ref_model.named_parameters())):
         assert a.dtype == torch.bfloat16
-        torch.testing.assert_close(a.main_param, b.main_param, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(a.main_param, b.main_param, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
         torch.testing.assert_close(a, a.main_param.bfloat16(), rtol=0, atol=0, msg=name)  # written this step
     p = next(model.parameters())
     p.main_param.add_(1.0)
@@ -151,15 +151,25 @@ def test_megatron_optimizer_with_flat_buffers_steps_like_torch_adamw(mcore):
     adam = opt.optimizer
     assert len({g["weight_decay"] for g in adam.param_groups}) == 2  # decay and no-decay groups both run
     (fb,) = flat.flat.values()
-    for p in model.parameters():  # parameters and moments are views of the flat buffers
+    for p in model.parameters():  # parameters are views of the flat buffer
         assert p.untyped_storage().data_ptr() == fb.main.untyped_storage().data_ptr()
+    # the moments come at the first step, as torch's: the first step's transients (graph capture)
+    # must not stack on them
+    assert fb.exp_avg is None and not any(adam.state.values())
     for seed in (1, 2, 3):
         _step(ref_model, ref_ddp, ref_opt, seed)
         _step(model, ddp, opt, seed)
     assert flat.count == 3 and float(adam.state[next(iter(adam.state))]["step"]) == 3.0
+    # On the CPU the two agree to 1e-7. On the GPU torch's kernel and ours round differently (on an
+    # H200 this comparison missed 1e-7 while our kernel still used Triton's approximate sqrt and
+    # division; the bf16 one below passed at 1e-6). A real error (a missed weight decay or gradient
+    # scale) moves parameters by ~1e-4 here, so 1e-6 still catches it.
+    atol = 1e-6 if torch.cuda.is_available() else 1e-7
     for (name, a), (_, b) in zip(sorted(model.named_parameters()), sorted(ref_model.named_parameters())):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=name)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
     for a, b in zip(adam.param_groups, ref_opt.optimizer.param_groups):
+        assert all(adam.state[p]["exp_avg"].untyped_storage().data_ptr() == fb.exp_avg.untyped_storage().data_ptr()
+                   for p in a["params"])
         for p, q in zip(a["params"], b["params"]):
             torch.testing.assert_close(adam.state[p]["exp_avg_sq"], ref_opt.optimizer.state[q]["exp_avg_sq"],
                                        rtol=1e-5, atol=1e-12)
