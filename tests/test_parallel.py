@@ -205,6 +205,16 @@ def test_ep2_matches_one_process(tmp_path, moe_init, moe_ref):
 
 
 @pytest.mark.slow
+def test_ep2_flat_adamw_matches_one_process(tmp_path, moe_init, moe_ref):
+    """optimizer.flat=true (here its PyTorch reference) under EP=2: two megatron optimizers (dense and
+    expert parameters, the latter in DDP's expert-parallel buffers) each get flat buffers, and
+    megatron clips in place (no deferred scale with two optimizers), which the flat step must see."""
+    got = _run(tmp_path, MOE, *ONE_PER_ROW, f"checkpoint.load={moe_init}", "parallel.ep=2", "optimizer.flat=true",
+               nproc=2)
+    _compare(moe_ref, got, "ep2 + flat AdamW")
+
+
+@pytest.mark.slow
 def test_pp2_moe_untied_matches_one_process(tmp_path, moe_init, moe_ref):
     """MoE layers (and their aux loss) on both stages, untied embedding and output layer."""
     got = _run(tmp_path, MOE, *ONE_PER_ROW, f"checkpoint.load={moe_init}", "parallel.pp=2", nproc=2)
