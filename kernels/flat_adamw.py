@@ -9,9 +9,12 @@ buffers laid out like megatron's gradient buffer, so one kernel per parameter gr
 param, grad, m, v once and writes param, m, v and the bf16 copy once (multimodal/flat_adamw.py
 does the layout and the wiring into megatron's optimizer).
 
-The work list is a table of chunks (start, length) in the flat index space, at most ``CHUNK``
-elements each, built once: padding between parameters (the gradient buffer aligns them) is not
-touched, and groups with other hyper-parameters (no weight decay) get their own table.
+The work list is a table of chunks (start, state start, length), at most ``CHUNK`` elements each,
+built once: padding between parameters (the gradient buffer aligns them) is not touched, and
+groups with other hyper-parameters (no weight decay) get their own table. The gradient and the
+output are read and written at ``start`` (the gradient buffer's index space); the parameters and
+moments at ``state start``, which is the same index unless they hold only this rank's shard of
+the buffer (megatron's distributed optimizer), packed densely.
 
 Update (decoupled weight decay, as torch.optim.AdamW and its fused kernel):
     g = grad / grad_scale                      (grad_scale: optional device scalar, multimodal/multi_tensor.py)
@@ -39,14 +42,20 @@ BLOCK = 2048        # elements per inner iteration of a program
 CHUNK = 8 * BLOCK   # elements per program: the unit of the work table
 
 
-def chunk_table(segments: list[tuple[int, int]], device, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
-    """(starts int64, lengths int32) covering each (start, numel) segment with chunks of <= ``chunk``."""
-    starts, lengths = [], []
-    for start, numel in segments:
+def chunk_table(segments, device, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(starts int64, state_starts int64, lengths int32) covering each segment with chunks of <=
+    ``chunk`` elements. A segment is (start, numel), or (start, state_start, numel) when the
+    parameters and moments are packed differently from the gradients and output (a data-parallel
+    shard of the gradient buffer, multimodal/flat_adamw.py)."""
+    starts, state_starts, lengths = [], [], []
+    for seg in segments:
+        start, state_start, numel = seg if len(seg) == 3 else (seg[0], seg[0], seg[1])
         for off in range(0, numel, chunk):
             starts.append(start + off)
+            state_starts.append(state_start + off)
             lengths.append(min(chunk, numel - off))
     return (torch.tensor(starts, dtype=torch.int64, device=device),
+            torch.tensor(state_starts, dtype=torch.int64, device=device),
             torch.tensor(lengths, dtype=torch.int32, device=device))
 
 
@@ -60,12 +69,13 @@ def _scalars(lr: float, beta1: float, beta2: float, step: int) -> tuple[float, f
 if triton is not None:
 
     @triton.jit
-    def _flat_adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, starts_ptr, lengths_ptr, scale_ptr,
+    def _flat_adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, starts_ptr, state_starts_ptr, lengths_ptr, scale_ptr,
                            lr, wd, beta1, beta2, eps, step_size, bc2_sqrt,
                            HAS_SCALE: tl.constexpr, WRITE_OUT: tl.constexpr,
                            BLOCK: tl.constexpr, CHUNK: tl.constexpr):
         pid = tl.program_id(0)
-        start = tl.load(starts_ptr + pid)
+        start = tl.load(starts_ptr + pid)  # gradient and output
+        state_start = tl.load(state_starts_ptr + pid)  # parameter and moments
         n = tl.load(lengths_ptr + pid)
         if HAS_SCALE:
             grad_scale = tl.load(scale_ptr)
@@ -73,10 +83,11 @@ if triton is not None:
             idx = off + tl.arange(0, BLOCK)
             mask = idx < n
             ptr = start + idx
-            p = tl.load(p_ptr + ptr, mask=mask, other=0.0)
+            sp = state_start + idx
+            p = tl.load(p_ptr + sp, mask=mask, other=0.0)
             g = tl.load(g_ptr + ptr, mask=mask, other=0.0).to(tl.float32)
-            m = tl.load(m_ptr + ptr, mask=mask, other=0.0)
-            v = tl.load(v_ptr + ptr, mask=mask, other=0.0)
+            m = tl.load(m_ptr + sp, mask=mask, other=0.0)
+            v = tl.load(v_ptr + sp, mask=mask, other=0.0)
             # IEEE sqrt and division (Triton's defaults are the approximate ones), to agree with
             # torch's kernel to the rounding of the products
             if HAS_SCALE:
@@ -86,20 +97,20 @@ if triton is not None:
             v = beta2 * v + (1.0 - beta2) * g * g
             denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
             p = p - tl.div_rn(step_size * m, denom)
-            tl.store(p_ptr + ptr, p, mask=mask)
-            tl.store(m_ptr + ptr, m, mask=mask)
-            tl.store(v_ptr + ptr, v, mask=mask)
+            tl.store(p_ptr + sp, p, mask=mask)
+            tl.store(m_ptr + sp, m, mask=mask)
+            tl.store(v_ptr + sp, v, mask=mask)
             if WRITE_OUT:
                 tl.store(out_ptr + ptr, p.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def flat_adamw_reference(param, grad, exp_avg, exp_avg_sq, out, starts, lengths, *, lr, weight_decay,
-                         beta1, beta2, eps, step, grad_scale=None):
+def flat_adamw_reference(param, grad, exp_avg, exp_avg_sq, out, starts, state_starts, lengths, *, lr,
+                         weight_decay, beta1, beta2, eps, step, grad_scale=None):
     """The same update in plain PyTorch, chunk by chunk (CPU tests and the kernel's check)."""
     step_size, bc2_sqrt = _scalars(lr, beta1, beta2, step)
-    for start, n in zip(starts.tolist(), lengths.tolist()):
-        sl = slice(start, start + n)
-        p, m, v = param[sl], exp_avg[sl], exp_avg_sq[sl]
+    for start, state_start, n in zip(starts.tolist(), state_starts.tolist(), lengths.tolist()):
+        sl, ss = slice(start, start + n), slice(state_start, state_start + n)
+        p, m, v = param[ss], exp_avg[ss], exp_avg_sq[ss]
         g = grad[sl].float()
         if grad_scale is not None:
             g = g / grad_scale
@@ -111,17 +122,18 @@ def flat_adamw_reference(param, grad, exp_avg, exp_avg_sq, out, starts, lengths,
             out[sl].copy_(p)
 
 
-def flat_adamw(param, grad, exp_avg, exp_avg_sq, out, starts, lengths, *, lr, weight_decay, beta1, beta2,
+def flat_adamw(param, grad, exp_avg, exp_avg_sq, out, starts, state_starts, lengths, *, lr, weight_decay, beta1, beta2,
                eps, step, grad_scale=None, use_kernel: bool = True, block: int = BLOCK, chunk: int = CHUNK,
                num_warps: int = 8):
-    """One AdamW step over the chunks (``starts``, ``lengths``) of the flat fp32 ``param``,
-    ``exp_avg``, ``exp_avg_sq`` (updated in place) with gradients ``grad`` (fp32 or bf16, flat), and
-    writes the new parameters to ``out`` (flat, any float dtype) unless it is None. ``grad_scale``:
+    """One AdamW step over the chunks of ``chunk_table``: the flat fp32 ``param``, ``exp_avg``,
+    ``exp_avg_sq`` (updated in place, at ``state_starts``) with gradients ``grad`` (fp32 or bf16,
+    flat, at ``starts``); writes the new parameters to ``out`` (flat, any float dtype, at
+    ``starts``) unless it is None. ``grad_scale``:
     None or a one-element device tensor the gradients are divided by. ``step``: the step being
     taken, counting from 1. ``chunk`` must be the one the table was built with; ``block`` and
     ``num_warps`` are the launch shape (scripts/bench_adamw.py sweeps them)."""
     if not use_kernel:
-        return flat_adamw_reference(param, grad, exp_avg, exp_avg_sq, out, starts, lengths, lr=lr,
+        return flat_adamw_reference(param, grad, exp_avg, exp_avg_sq, out, starts, state_starts, lengths, lr=lr,
                                     weight_decay=weight_decay, beta1=beta1, beta2=beta2, eps=eps, step=step,
                                     grad_scale=grad_scale)
     for t in (param, exp_avg, exp_avg_sq):
@@ -131,7 +143,7 @@ def flat_adamw(param, grad, exp_avg, exp_avg_sq, out, starts, lengths, *, lr, we
     if starts.numel() == 0:
         return
     _flat_adamw_kernel[(starts.numel(),)](
-        param, grad, exp_avg, exp_avg_sq, out if out is not None else param, starts, lengths,
+        param, grad, exp_avg, exp_avg_sq, out if out is not None else param, starts, state_starts, lengths,
         grad_scale if grad_scale is not None else param,
         float(lr), float(weight_decay), float(beta1), float(beta2), float(eps), float(step_size), float(bc2_sqrt),
         HAS_SCALE=grad_scale is not None, WRITE_OUT=out is not None, BLOCK=block, CHUNK=chunk, num_warps=num_warps)

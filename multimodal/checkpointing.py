@@ -54,9 +54,17 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+# megatron's distributed optimizer defaults to its "fully_sharded_model_space" layout, whose
+# flattened ShardedTensors megatron-core 0.19's own dist_checkpointing refuses at save time
+# ("ShardedTensor.flattened_range is not supported"); "fully_reshardable" is accepted and also
+# lets a run resume with another data/tensor/pipeline-parallel layout. Other optimizers ignore it.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
 def _sharded_state(model, optimizer, is_loading: bool) -> dict:
     model_sd = model.sharded_state_dict()
-    return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading)}
+    return {"model": model_sd, "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                                         metadata=dict(OPTIMIZER_METADATA))}
 
 
 def _write(root: Path, iteration: int, sharded: dict, trainer: dict, meta_files: dict[str, str] | None,
@@ -144,6 +152,65 @@ def load_weights(path: Path, model) -> dict:
     return trainer
 
 
+def _prime_distributed_optimizer_state(optimizer) -> None:
+    """Give megatron's distributed optimizer a torch state to describe before a resume.
+
+    Without TransformerEngine/Apex its ``state_dict()`` reads the step from torch's per-parameter
+    state, which is empty until the first step (torch allocates it lazily), and asserts. Zeros and
+    step 0 stand in; the load then overwrites them. Under flat AdamW the flat moments are bound
+    instead (no second copy of the moments)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        adam = getattr(opt, "optimizer", None)
+        if not isinstance(opt, DistributedOptimizer) or adam is None or any(adam.state.values()):
+            continue
+        flat = getattr(adam, "flat_adamw", None)
+        if flat is not None:
+            flat.bind_state()
+            continue
+        for group in adam.param_groups:
+            fused = group.get("fused") or group.get("capturable")
+            for p in group["params"]:
+                adam.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device if fused else "cpu"),
+                                 "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+
+
+def _restore_steps(optimizer) -> None:
+    """Set every parameter's AdamW ``step`` after a load, each its own tensor.
+
+    Without TransformerEngine/Apex megatron's distributed optimizer saves the step in its param
+    groups, and its load then puts one shared tensor into every parameter's state and copies the
+    per-parameter steps of the state it described before the load (the primed zeros) over it.
+    torch's AdamW increments each parameter's step in place, so a shared tensor would also advance
+    once per parameter per step. The param groups' step is the saved one. Flat AdamW keeps its
+    count itself (and shares its step tensor on purpose)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        adam = getattr(opt, "optimizer", None)
+        if adam is None:
+            continue
+        saved = {float(g["step"]) for g in adam.param_groups if "step" in g}
+        flat = getattr(adam, "flat_adamw", None)
+        if isinstance(opt, DistributedOptimizer) and len(saved) == 1:
+            step = saved.pop()
+            if flat is not None:
+                flat.set_step(int(step))
+                continue
+            for group in adam.param_groups:
+                fused = group.get("fused") or group.get("capturable")
+                for p in group["params"]:
+                    adam.state[p]["step"] = torch.tensor(step, dtype=torch.float32, device=p.device if fused else "cpu")
+        elif flat is None:
+            seen = set()
+            for state in adam.state.values():
+                if torch.is_tensor(state.get("step")):
+                    if id(state["step"]) in seen:
+                        state["step"] = state["step"].clone()
+                    seen.add(id(state["step"]))
+
+
 def load(path: Path, model, optimizer, scheduler) -> tuple[int, dict | None]:
     """Restore model, optimizer, scheduler and this rank's RNG; returns (iteration, data_state).
     A weights-only checkpoint restores the model and starts at iteration 0."""
@@ -152,9 +219,12 @@ def load(path: Path, model, optimizer, scheduler) -> tuple[int, dict | None]:
         load_weights(path, model)
         log.info("loaded weights from %s (weights-only checkpoint: optimizer and step start fresh)", path)
         return 0, None
+    _prime_distributed_optimizer_state(optimizer)
     state = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(path))
     model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    with torch.no_grad():  # the distributed optimizer copies into fp32 shards that are views of parameters
+        optimizer.load_state_dict(state["optimizer"])
+    _restore_steps(optimizer)
     scheduler.load_state_dict(trainer["scheduler"])
     rank_file = path / "rank_state" / f"rank{dist.get_rank():05d}.pt"
     data_state = None

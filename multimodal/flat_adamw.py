@@ -47,51 +47,72 @@ log = logging.getLogger(__name__)
 class _FlatBuffer:
     """The flat companions of one DDP gradient buffer, and the work tables of each param group."""
     grad: torch.Tensor                      # buffer.grad_data (fp32)
-    main: torch.Tensor                      # fp32 main parameters
+    main: torch.Tensor                      # fp32 main parameters (this rank's shard, packed, if sharded)
     exp_avg: torch.Tensor | None            # None until the first step
     exp_avg_sq: torch.Tensor | None
-    model: torch.Tensor | None              # bf16/fp16 model parameters; None when main is the model
-    segments: dict[int, list] = field(default_factory=dict)   # group index -> [(start, numel)]
-    tables: dict[int, tuple] = field(default_factory=dict)    # group index -> (starts, lengths)
+    out: torch.Tensor | None                # where the kernel writes the model parameters; None: main is the model
+    segments: dict[int, list] = field(default_factory=dict)   # group index -> [(start, state start, numel)]
+    tables: dict[int, tuple] = field(default_factory=dict)    # group index -> chunk_table(...)
+
+
+@dataclass
+class _Param:
+    """One optimized parameter: ``numel`` elements at ``start`` of its buffer's gradient (and output)
+    index space and at ``state_start`` of the flat main parameters and moments."""
+    model: torch.nn.Parameter
+    main: torch.Tensor
+    group: int
+    buffer: object
+    start: int
+    state_start: int
+    numel: int
 
 
 class FlatAdamW:
     """Replaces one torch AdamW's step; see the module docstring."""
 
-    def __init__(self, adam: torch.optim.AdamW, megatron_opt, pairs, buffers, use_kernel: bool):
-        """``pairs``: (model_param, main_param, group_index, buffer) for every optimized parameter;
-        ``buffers``: the DDP gradient buffers holding them."""
+    def __init__(self, adam: torch.optim.AdamW, megatron_opt, params: list[_Param], sharded: bool, use_kernel: bool):
+        """``params``: every parameter ``adam`` updates (``layout`` builds them). ``sharded``: megatron's
+        distributed optimizer, whose main parameters are this rank's shard of each buffer and whose
+        model parameters already live in the buffer's ``param_data`` (the kernel writes there, then
+        megatron all-gathers it)."""
         self.adam = adam
         self.use_kernel = use_kernel
         self.model_params_fresh = False
-        self.device = device = pairs[0][1].device
+        self.device = device = params[0].main.device
         self.count = 0
         self.step_tensor = torch.tensor(0.0, dtype=torch.float32, device=device)
         self.flat: dict[int, _FlatBuffer] = {}
-        for buf in buffers:
-            n = buf.grad_data.numel()
-            needs_model = buf.param_dtype != torch.float32
+        for buf in {id(p.buffer): p.buffer for p in params}.values():
+            mine = [p for p in params if p.buffer is buf]
+            n = sum(p.numel for p in mine) if sharded else buf.grad_data.numel()
+            if sharded:
+                out = buf.param_data
+            elif buf.param_dtype != torch.float32:
+                out = torch.zeros(buf.grad_data.numel(), dtype=buf.param_dtype, device=device)
+            else:
+                out = None
             # the moments come at the first step (or a load), as torch allocates them: the first
             # step's transients (CUDA graph capture, autotuning) then do not stack on them
-            self.flat[id(buf)] = _FlatBuffer(
-                grad=buf.grad_data, main=torch.zeros(n, dtype=torch.float32, device=device), exp_avg=None,
-                exp_avg_sq=None, model=torch.zeros(n, dtype=buf.param_dtype, device=device) if needs_model else None)
-        self.views = []  # (main_param, flat buffer, start, end) for binding the moments
-        for model_param, main_param, group_index, buf in pairs:
-            fb = self.flat[id(buf)]
-            start, end, _ = buf.param_index_map[model_param]
-            fb.main[start:end].copy_(main_param.data.view(-1))
-            main_param.data = fb.main[start:end].view_as(main_param)
-            if fb.model is not None and model_param is not main_param:
-                fb.model[start:end].copy_(model_param.data.view(-1))
-                model_param.data = fb.model[start:end].view_as(model_param)
-            fb.segments.setdefault(group_index, []).append((start, end - start))
-            self.views.append((main_param, fb, start, end))
+            self.flat[id(buf)] = _FlatBuffer(grad=buf.grad_data, main=torch.zeros(n, dtype=torch.float32, device=device),
+                                             exp_avg=None, exp_avg_sq=None, out=out)
+        self.views = []  # (main_param, flat buffer, state start, numel) for binding the moments
+        for p in params:
+            fb = self.flat[id(p.buffer)]
+            state = slice(p.state_start, p.state_start + p.numel)
+            fb.main[state].copy_(p.main.data.view(-1))
+            p.main.data = fb.main[state].view_as(p.main)
+            if not sharded and fb.out is not None and p.model is not p.main:
+                fb.out[p.start:p.start + p.numel].copy_(p.model.data.view(-1))
+                p.model.data = fb.out[p.start:p.start + p.numel].view_as(p.model)
+            fb.segments.setdefault(p.group, []).append((p.start, p.state_start, p.numel))
+            self.views.append((p.main, fb, p.state_start, p.numel))
         for fb in self.flat.values():
             fb.tables = {g: chunk_table(sorted(segs), device) for g, segs in fb.segments.items()}
         if any(self.adam.state.get(main) for main, *_ in self.views):  # installed over existing state
-            self._bind_state()
+            self.bind_state()
         adam.step = self.step
+        adam.flat_adamw = self  # multimodal/checkpointing.py binds the moments before a resume
         adam.register_load_state_dict_post_hook(lambda _opt: self._rebind_after_load())
         original_copy = getattr(megatron_opt, "_copy_main_params_to_model_params", None)
         if original_copy is None:  # FP32Optimizer: the model parameters are the main parameters
@@ -104,7 +125,7 @@ class FlatAdamW:
             original_copy()
         megatron_opt._copy_main_params_to_model_params = copy_main_to_model
 
-    def _bind_state(self) -> None:
+    def bind_state(self) -> None:
         """Make every parameter's exp_avg / exp_avg_sq views of the flat moments (allocated here the
         first time), keeping values already in the state, and point its ``step`` at ours."""
         states = [self.adam.state[main] for main, *_ in self.views]
@@ -117,19 +138,27 @@ class FlatAdamW:
             if fb.exp_avg is None:
                 fb.exp_avg = torch.zeros_like(fb.main)
                 fb.exp_avg_sq = torch.zeros_like(fb.main)
-        for (main_param, fb, start, end), state in zip(self.views, states):
+        for (main_param, fb, start, numel), state in zip(self.views, states):
             for key, flat in (("exp_avg", fb.exp_avg), ("exp_avg_sq", fb.exp_avg_sq)):
-                view = flat[start:end].view_as(main_param)
+                view = flat[start:start + numel].view_as(main_param)
                 if key in state and state[key] is not view:
                     view.copy_(state[key])
                 state[key] = view
             state["step"] = self.step_tensor
 
+    def set_step(self, count: int) -> None:
+        """The number of steps taken (a resume under the distributed optimizer restores it)."""
+        self.count = count
+        self.step_tensor.fill_(float(count))
+        for main, *_ in self.views:
+            if self.adam.state.get(main):
+                self.adam.state[main]["step"] = self.step_tensor
+
     def _rebind_after_load(self) -> None:
         """torch's load_state_dict installed freshly allocated moments: copy them into the flat ones."""
         if not any(self.adam.state.get(main) for main, *_ in self.views):
             return  # a checkpoint from before the first step: nothing to bind yet
-        self._bind_state()
+        self.bind_state()
         self.model_params_fresh = False
         log.info("flat AdamW: loaded optimizer state copied into the flat buffers (step %d)", self.count)
 
@@ -140,26 +169,26 @@ class FlatAdamW:
         if getattr(self.adam, "found_inf", None) is not None:
             raise RuntimeError("flat AdamW does not handle found_inf (fp16 loss scaling); set optimizer.flat=false")
         if any(fb.exp_avg is None for fb in self.flat.values()):
-            self._bind_state()
+            self.bind_state()
         self.count += 1
         self.step_tensor.fill_(float(self.count))
         grad_scale = getattr(self.adam, "grad_scale", None)
         for fb in self.flat.values():
-            for group_index, (starts, lengths) in fb.tables.items():
+            for group_index, (starts, state_starts, lengths) in fb.tables.items():
                 group = self.adam.param_groups[group_index]
                 beta1, beta2 = group["betas"]
-                flat_adamw(fb.main, fb.grad, fb.exp_avg, fb.exp_avg_sq, fb.model, starts, lengths,
+                flat_adamw(fb.main, fb.grad, fb.exp_avg, fb.exp_avg_sq, fb.out, starts, state_starts, lengths,
                            lr=float(group["lr"]), weight_decay=float(group["weight_decay"]), beta1=beta1,
                            beta2=beta2, eps=group["eps"], step=self.count, grad_scale=grad_scale,
                            use_kernel=self.use_kernel)
-        self.model_params_fresh = any(fb.model is not None for fb in self.flat.values())
+        self.model_params_fresh = any(fb.out is not None for fb in self.flat.values())
 
 
 def _why_not(megatron_opt, adam) -> str | None:
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    if isinstance(megatron_opt, DistributedOptimizer):
-        return "the distributed optimizer shards the main parameters"
+    if getattr(getattr(megatron_opt, "ddp_config", None), "use_megatron_fsdp", False):
+        return "megatron FSDP keeps its own parameter buffers"
+    if getattr(megatron_opt.config, "use_precision_aware_optimizer", False):
+        return "the precision-aware optimizer keeps its own main parameters"
     if not isinstance(adam, (torch.optim.Adam, torch.optim.AdamW)):
         return f"the optimizer is {type(adam).__name__}, not AdamW"
     if not isinstance(adam, torch.optim.AdamW) and not all(g.get("decoupled_weight_decay") for g in adam.param_groups):
@@ -171,9 +200,21 @@ def _why_not(megatron_opt, adam) -> str | None:
     return None
 
 
+def _sharded(megatron_opt) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return isinstance(megatron_opt, DistributedOptimizer)
+
+
 def _model_main_pairs(megatron_opt):
     """(model_param, main_param, group_index) for every parameter the optimizer updates."""
-    if hasattr(megatron_opt, "float16_groups"):  # Float16OptimizerWithFloat16Params
+    if _sharded(megatron_opt):  # main params: this rank's shards
+        groups = zip(megatron_opt.model_float16_groups, megatron_opt.shard_fp32_from_float16_groups,
+                     megatron_opt.model_fp32_groups, megatron_opt.shard_fp32_groups)
+        for gi, (models, mains, fp32_models, fp32_mains) in enumerate(groups):
+            yield from ((mp, main, gi) for mp, main in zip(models, mains))
+            yield from ((mp, main, gi) for mp, main in zip(fp32_models, fp32_mains))
+    elif hasattr(megatron_opt, "float16_groups"):  # Float16OptimizerWithFloat16Params
         for gi, (models, mains, fp32s) in enumerate(zip(megatron_opt.float16_groups,
                                                         megatron_opt.fp32_from_float16_groups,
                                                         megatron_opt.fp32_from_fp32_groups)):
@@ -182,6 +223,37 @@ def _model_main_pairs(megatron_opt):
     else:  # FP32Optimizer: the model parameters are the main parameters
         for gi, group in enumerate(megatron_opt.optimizer.param_groups):
             yield from ((p, p, gi) for p in group["params"])
+
+
+def layout(megatron_opt, owner: dict) -> list[_Param] | str:
+    """Where each parameter's gradient, output, main parameter and moments sit in the flat buffers;
+    or why there is no such layout. ``owner``: model parameter -> its DDP gradient buffer."""
+    sharded = _sharded(megatron_opt)
+    params, next_state = [], {}
+    for model_param, main_param, group in _model_main_pairs(megatron_opt):
+        buf = owner.get(model_param)
+        if buf is None:
+            return "a parameter is outside the DDP gradient buffers"
+        if main_param is None:
+            return "a parameter has no fp32 main copy (quantized parameters)"
+        if sharded:  # this rank's shard: at its world range of the buffer, packed densely for the state
+            world = megatron_opt._get_model_param_range_map(model_param)["gbuf_world"]
+            start, numel = world.start, world.size
+            state_start = next_state.get(id(buf), 0)
+            next_state[id(buf)] = state_start + numel
+            if buf.param_data is None:
+                return "the distributed optimizer's buffer has no param_data"
+        else:
+            start, end, _ = buf.param_index_map[model_param]
+            numel, state_start = end - start, start
+        if main_param.numel() != numel:
+            return f"a main parameter has {main_param.numel()} elements where its range has {numel}"
+        params.append(_Param(model_param, main_param, group, buf, start, state_start, numel))
+    if not params:
+        return "no parameters"
+    if any(p.buffer.grad_data.dtype != torch.float32 for p in params):
+        return "gradients are not reduced in fp32"
+    return params
 
 
 def install(optimizer, ddp_chunks, requested: bool | None) -> list[FlatAdamW]:
@@ -198,16 +270,12 @@ def install(optimizer, ddp_chunks, requested: bool | None) -> list[FlatAdamW]:
         if adam is None or getattr(mopt, "is_stub_optimizer", False):
             continue
         why = _why_not(mopt, adam)
-        pairs = [] if why else [(mp, main, gi, owner.get(mp)) for mp, main, gi in _model_main_pairs(mopt)]
-        if not why and any(buf is None for *_, buf in pairs):
-            why = "a parameter is outside the DDP gradient buffers"
-        if not why and any(buf.grad_data.dtype != torch.float32 for *_, buf in pairs):
-            why = "gradients are not reduced in fp32"
-        if not why and not pairs:
-            why = "no parameters"
+        params = layout(mopt, owner) if why is None else why
+        if isinstance(params, str):
+            why = params
         use_kernel = False
         if not why:
-            kernel_problem = unavailable_reason(pairs[0][1])
+            kernel_problem = unavailable_reason(params[0].main)
             use_kernel = kernel_problem is None
             if kernel_problem and requested is None:
                 why = kernel_problem
@@ -217,9 +285,10 @@ def install(optimizer, ddp_chunks, requested: bool | None) -> list[FlatAdamW]:
         if why:
             (log.warning if requested else log.info)("optimizer: torch's fused AdamW stays (%s)", why)
             continue
-        used = list({id(b): b for *_, b in pairs}.values())
-        installed.append(FlatAdamW(adam, mopt, pairs, used, use_kernel))
-        log.info("optimizer: flat AdamW over %d parameters in %d buffer(s)%s", len(pairs), len(used),
+        flat = FlatAdamW(adam, mopt, params, _sharded(mopt), use_kernel)
+        installed.append(flat)
+        log.info("optimizer: flat AdamW over %d parameters in %d buffer(s)%s%s", len(params), len(flat.flat),
+                 " (this rank's shards)" if _sharded(mopt) else "",
                  ", writing the bf16 model parameters in the same kernel"
-                 if any(b.param_dtype != torch.float32 for b in used) else "")
+                 if any(fb.out is not None and fb.out.dtype != torch.float32 for fb in flat.flat.values()) else "")
     return installed

@@ -88,8 +88,8 @@ def main() -> None:
     for block, chunk_blocks, warps in [(1024, 8, 4), (2048, 8, 8), (2048, 16, 8), (4096, 4, 8), (4096, 8, 16),
                                        (1024, 32, 4), (2048, 4, 4)]:
         chunk = block * chunk_blocks
-        starts, lengths = chunk_table(list(zip(offsets, numels)), dev, chunk=chunk)
-        fn = lambda: flat_adamw(p32, g32, m32, v32, p16, starts, lengths, step=11, grad_scale=scale,  # noqa: E731
+        starts, state_starts, lengths = chunk_table(list(zip(offsets, numels)), dev, chunk=chunk)
+        fn = lambda: flat_adamw(p32, g32, m32, v32, p16, starts, state_starts, lengths, step=11, grad_scale=scale,  # noqa: E731
                                 block=block, chunk=chunk, num_warps=warps, **hp)
         tf = do_bench(fn, warmup=3, rep=300)
         print(f"flat kernel BLOCK={block} CHUNK={chunk} warps={warps}: {tf:7.3f} ms  {gb(N * 30, tf):6.0f} GB/s")
@@ -108,11 +108,11 @@ def main() -> None:
     ref = [t_.clone() for t_ in (p32, m32, v32)]
     rps, rms, rvs = views(ref[0]), views(ref[1]), views(ref[2])
     rsteps = [torch.tensor(0.0, device=dev) for _ in offsets]
-    starts, lengths = chunk_table(list(zip(offsets, numels)), dev)
+    starts, state_starts, lengths = chunk_table(list(zip(offsets, numels)), dev)
     for k in range(1, 4):
         torch._fused_adamw_(rps, views(g32.clone()), rms, rvs, [], rsteps, amsgrad=False, maximize=False,
                             grad_scale=scale, **hp)
-        flat_adamw(p32, g32, m32, v32, p16, starts, lengths, step=k, grad_scale=scale, **hp)
+        flat_adamw(p32, g32, m32, v32, p16, starts, state_starts, lengths, step=k, grad_scale=scale, **hp)
     seg = torch.zeros(total, dtype=torch.bool, device=dev)
     for o, n in zip(offsets, numels):
         seg[o:o + n] = True

@@ -173,24 +173,43 @@ def test_pp2_wgrad_fusion_matches_one_process(tmp_path, dense_init, dense_packed
     _compare(dense_packed_ref, got, "pp2+grad_accum_fusion")
 
 
-@pytest.mark.slow
-def test_dp2_distributed_optimizer_matches_dp1(tmp_path, dense_init):
-    ref = _run(tmp_path / "dp1", DENSE, *ONE_PER_ROW, f"checkpoint.load={dense_init}")
-    got = _run(tmp_path / "dp2", DENSE, *ONE_PER_ROW, f"checkpoint.load={dense_init}",
-               "parallel.use_distributed_optimizer=true", nproc=2)
-    _compare(ref, got, "dp2+distributed_optimizer")
+@pytest.fixture(scope="module")
+def dense_dp1_ref(tmp_path_factory, dense_init):
+    return _run(tmp_path_factory.mktemp("dp1"), DENSE, *ONE_PER_ROW, f"checkpoint.load={dense_init}")
 
 
 @pytest.mark.slow
-def test_dp2_overlapped_grad_reduce_with_wgrad_fusion_matches_dp1(tmp_path, dense_init):
+@pytest.mark.parametrize("flat_adamw", ["false", "true"])
+def test_dp2_distributed_optimizer_matches_dp1_and_resumes(tmp_path, dense_init, dense_dp1_ref, flat_adamw):
+    """megatron's distributed optimizer at DP=2 against one process, then a resume from its step-2
+    checkpoint reproduces steps 3-4 exactly. The checkpoint uses the "dp_reshardable" layout (the
+    default one fails in megatron-core 0.19's own checkpointing), and the resume restores the AdamW
+    step, which megatron's load leaves wrong without TransformerEngine/Apex.
+
+    optimizer.flat=true (its PyTorch reference here): each rank updates its shard of the gradient
+    buffer (main params and moments packed densely) and writes the model params into the buffer
+    megatron all-gathers; the loaded shards must land in the flat buffers."""
+    opts = ["parallel.use_distributed_optimizer=true", f"optimizer.flat={flat_adamw}"]
+    full = _run(tmp_path / "full", DENSE, *ONE_PER_ROW, f"checkpoint.load={dense_init}", *opts,
+                f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.interval=2", nproc=2)
+    _compare(dense_dp1_ref, full, f"dp2+distributed_optimizer (flat AdamW: {flat_adamw})")
+    resumed = _run(tmp_path / "resumed", DENSE, *ONE_PER_ROW, *opts, f"checkpoint.load={tmp_path / 'ck' / 'iter_0000002'}",
+                   f"checkpoint.dir={tmp_path / 'ck2'}", nproc=2)
+    assert sorted(resumed) == [3, 4]
+    for step in (3, 4):
+        assert resumed[step]["loss"] == full[step]["loss"], step
+        assert resumed[step]["grad_norm"] == full[step]["grad_norm"], step
+
+
+@pytest.mark.slow
+def test_dp2_overlapped_grad_reduce_with_wgrad_fusion_matches_dp1(tmp_path, dense_init, dense_dp1_ref):
     """DDP's bucketed all-reduce started from the gradient hooks (the 9B-397B recipes' setting)
     with every weight gradient added into main_grad where it is made: each hook must still fire
     once per weight (the tied embedding / LM head weight: one placeholder) or a bucket never
     reduces."""
-    ref = _run(tmp_path / "dp1", DENSE, *ONE_PER_ROW, f"checkpoint.load={dense_init}")
     got = _run(tmp_path / "dp2", DENSE, *ONE_PER_ROW, f"checkpoint.load={dense_init}",
                "parallel.overlap_grad_reduce=true", "model.grad_accum_fusion=true", nproc=2)
-    _compare(ref, got, "dp2+overlap_grad_reduce+grad_accum_fusion")
+    _compare(dense_dp1_ref, got, "dp2+overlap_grad_reduce+grad_accum_fusion")
 
 
 @pytest.fixture(scope="module")
