@@ -57,7 +57,8 @@ def _set_rng_state(state: dict) -> None:
 # megatron's distributed optimizer defaults to its "fully_sharded_model_space" layout, whose
 # flattened ShardedTensors megatron-core 0.19's own dist_checkpointing refuses at save time
 # ("ShardedTensor.flattened_range is not supported"). "dp_reshardable" (Megatron-LM's default):
-# each rank writes its own bucket shards, no gather, and the DP size may change at a resume.
+# each rank writes its own bucket shards, no gather; megatron documents DP resharding for it (a
+# DP=2 checkpoint loaded at DP=1 by hand; not tested).
 # ("fully_reshardable" gathers every rank's state on DP rank 0.) Other optimizers ignore it.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
