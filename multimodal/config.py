@@ -230,7 +230,7 @@ class OptimizerConfig:
     # AdamW over flat buffers (multimodal/flat_adamw.py): one Triton kernel per parameter group
     # updates the fp32 main params and moments and writes the bf16 model params, in place of torch's
     # fused AdamW plus megatron's per-parameter copy. null: on with a CUDA device and Triton; true
-    # elsewhere runs its PyTorch reference (slow; for tests). Not with the distributed optimizer.
+    # elsewhere runs its PyTorch reference (slow; for tests). Also under the distributed optimizer.
     flat: bool | None = None
 
 

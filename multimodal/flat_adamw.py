@@ -1,15 +1,20 @@
-"""AdamW over flat buffers for megatron-core's (non-distributed) optimizer: one kernel per parameter
-group that updates the fp32 main parameters and both moments and writes the bf16 model parameters
+"""AdamW over flat buffers for megatron-core's optimizers: one kernel per parameter group that
+updates the fp32 main parameters and both moments and writes the bf16 model parameters
 (kernels/flat_adamw.py), in place of torch's fused AdamW over per-parameter tensors followed by
 megatron's per-parameter fp32 -> bf16 copy.
 
 Layout. megatron's DDP keeps every gradient in one flat buffer per dtype (``buffer.grad_data``;
-each parameter's ``main_grad`` is the view ``[start, end)`` of ``buffer.param_index_map``). Here
-each such buffer gets four companions of the same length: the fp32 main parameters, exp_avg,
-exp_avg_sq and (for bf16/fp16 models) the model parameters. Every main parameter, model parameter
-and moment becomes a view of its own ``[start, end)``, so everything else (checkpoints, the
-gradient norm, ``param.main_param``, the model's forward) sees the same tensors as before; the
-kernel reads the gradients straight from ``grad_data``.
+each parameter's ``main_grad`` is the view ``[start, end)`` of ``buffer.param_index_map``). Each
+buffer gets flat fp32 main parameters, exp_avg and exp_avg_sq:
+- megatron's plain (Float16 / FP32) optimizer: of the buffer's length, at the gradient's index,
+  plus (bf16/fp16 models) a flat copy of the model parameters, which become views of it;
+- its distributed optimizer: only this rank's shard of every parameter, packed densely; the
+  kernel writes the model parameters into the buffer's own ``param_data``, which megatron then
+  all-gathers as usual.
+Every main parameter and moment is a view of the flat buffers, so everything else (checkpoints,
+the gradient norm, ``param.main_param``, the model's forward) sees the same tensors as before; the
+kernel reads the gradients straight from ``grad_data``. The moments are allocated at the first
+step (or a load), as torch does, so the first step's transients do not stack on them.
 
 Wiring (``install``), once, after megatron builds its optimizer and before the first step (so
 before CUDA graphs capture the parameters' addresses):
@@ -25,9 +30,9 @@ State stays torch's format (per-parameter ``step``, ``exp_avg``, ``exp_avg_sq``)
 move freely between runs with and without it. The step count is also kept as a Python int, so
 the bias corrections need no device read.
 
-Not covered (``install`` returns None and logs why; torch's fused AdamW then runs as before):
-megatron's distributed optimizer (sharded main parameters), Adam with L2 decay, amsgrad,
-maximize, capturable, gradients not reduced in fp32, a parameter outside the DDP buffers.
+Not covered (``install`` logs why and torch's fused AdamW runs as before): megatron FSDP, the
+precision-aware optimizer, quantized parameters, Adam with L2 decay, amsgrad, maximize,
+capturable, gradients not reduced in fp32, a parameter outside the DDP buffers.
 """
 
 from __future__ import annotations
