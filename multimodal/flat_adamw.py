@@ -288,7 +288,9 @@ def install(optimizer, ddp_chunks, requested: bool | None) -> list[FlatAdamW]:
                 log.warning("optimizer.flat=true without the Triton kernel (%s): the PyTorch reference "
                             "runs instead, correct but slow", kernel_problem)
         if why:
-            (log.warning if requested else log.info)("optimizer: torch's fused AdamW stays (%s)", why)
+            # loud where the kernel was asked for or expected (a GPU), quiet on a CPU by default
+            on_gpu = not isinstance(params, str) and params[0].main.is_cuda
+            (log.warning if requested or on_gpu else log.info)("optimizer: torch's fused AdamW stays (%s)", why)
             continue
         flat = FlatAdamW(adam, mopt, params, _sharded(mopt), use_kernel)
         installed.append(flat)
