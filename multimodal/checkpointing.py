@@ -172,45 +172,42 @@ def _prime_distributed_optimizer_state(optimizer) -> None:
             flat.bind_state()
             continue
         for group in adam.param_groups:
-            fused = group.get("fused") or group.get("capturable")
             for p in group["params"]:
-                adam.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device if fused else "cpu"),
-                                 "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+                adam.state[p] = {"step": _step_tensor(0.0, group, p), "exp_avg": torch.zeros_like(p),
+                                 "exp_avg_sq": torch.zeros_like(p)}
+
+
+def _step_tensor(value: float, group: dict, param: torch.Tensor) -> torch.Tensor:
+    """An AdamW step where torch keeps it: on the parameter's device for fused/capturable groups."""
+    on_device = group.get("fused") or group.get("capturable")
+    return torch.tensor(value, dtype=torch.float32, device=param.device if on_device else "cpu")
 
 
 def _restore_steps(optimizer) -> None:
-    """Set every parameter's AdamW ``step`` after a load, each its own tensor.
+    """Set every parameter's AdamW ``step`` after a distributed-optimizer load, each its own tensor.
 
     Without TransformerEngine/Apex megatron's distributed optimizer saves the step in its param
     groups, and its load then puts one shared tensor into every parameter's state and copies the
     per-parameter steps of the state it described before the load (the primed zeros) over it.
     torch's AdamW increments each parameter's step in place, so a shared tensor would also advance
     once per parameter per step. The param groups' step is the saved one. Flat AdamW keeps its
-    count itself (and shares its step tensor on purpose)."""
+    count itself (and shares its step tensor on purpose). The other optimizers restore one step
+    per parameter themselves (megatron's common_step, copied per parameter)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         adam = getattr(opt, "optimizer", None)
-        if adam is None:
+        saved = {float(g["step"]) for g in adam.param_groups if "step" in g} if adam is not None else set()
+        if not isinstance(opt, DistributedOptimizer) or len(saved) != 1:
             continue
-        saved = {float(g["step"]) for g in adam.param_groups if "step" in g}
+        step = saved.pop()
         flat = getattr(adam, "flat_adamw", None)
-        if isinstance(opt, DistributedOptimizer) and len(saved) == 1:
-            step = saved.pop()
-            if flat is not None:
-                flat.set_step(int(step))
-                continue
-            for group in adam.param_groups:
-                fused = group.get("fused") or group.get("capturable")
-                for p in group["params"]:
-                    adam.state[p]["step"] = torch.tensor(step, dtype=torch.float32, device=p.device if fused else "cpu")
-        elif flat is None:
-            seen = set()
-            for state in adam.state.values():
-                if torch.is_tensor(state.get("step")):
-                    if id(state["step"]) in seen:
-                        state["step"] = state["step"].clone()
-                    seen.add(id(state["step"]))
+        if flat is not None:
+            flat.set_step(int(step))
+            continue
+        for group in adam.param_groups:
+            for p in group["params"]:
+                adam.state[p]["step"] = _step_tensor(step, group, p)
 
 
 def load(path: Path, model, optimizer, scheduler) -> tuple[int, dict | None]:

@@ -84,7 +84,7 @@ class FlatAdamW:
         self.adam = adam
         self.use_kernel = use_kernel
         self.model_params_fresh = False
-        self.device = device = params[0].main.device
+        device = params[0].main.device
         self.count = 0
         self.step_tensor = torch.tensor(0.0, dtype=torch.float32, device=device)
         self.flat: dict[int, _FlatBuffer] = {}
