@@ -264,6 +264,9 @@ class LoggingConfig:
     profile_step: int = 0
     profile_num_steps: int = 2
     profile_ranks: list[int] = field(default_factory=lambda: [0])
+    # record Python frames too: the summary's longest idle gaps then show which code launched the
+    # kernel the GPU waited for (costs more host time in the profiled steps)
+    profile_with_stack: bool = False
 
 
 @dataclass

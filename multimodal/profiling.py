@@ -10,7 +10,9 @@ under ``<logging.dir>/profile/``:
   by category (GEMM, attention, linear attention, NCCL, optimizer, elementwise, ...), and how
   much of the wall time the GPU was busy at all (the rest is launch overhead, host syncs or
   data waits), and the GPU's idle gaps charged to the host op that launched the kernel ending
-  each gap (where the host was too slow to keep the GPU fed).
+  each gap (where the host was too slow to keep the GPU fed); the longest gaps one by one, with
+  the host call chain that launched the kernel ending each (Python frames included with
+  ``logging.profile_with_stack=true``).
 
 The summary is computed from the exported trace itself (kernel events and their durations),
 which keeps it independent of the profiler's Python API, whose field names have changed
@@ -36,6 +38,8 @@ import torch
 log = logging.getLogger(__name__)
 
 TOP_N = 60
+LONGEST_GAPS = 12   # idle gaps listed one by one, with their launch's call chain
+CHAIN_DEPTH = 25    # innermost frames of each chain printed
 
 # First match wins; names are CUDA kernel names (cuBLAS/CUTLASS, flash-attention, Triton
 # kernels of flash-linear-attention and of ours, tilelang, NCCL, PyTorch's own kernels).
@@ -105,6 +109,23 @@ class _Launchers:
                     end = b
             self.top[tid] = ([a for a, _, _ in top], top)
 
+        # every host span per thread (cpu ops, and Python frames when profiled with stacks), for
+        # the call chain of the longest gaps' launches
+        self.spans: dict[int, list[tuple[float, float, str]]] = defaultdict(list)
+        for e in events:
+            if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "python_function"):
+                self.spans[e.get("tid", 0)].append((e["ts"], e["ts"] + e["dur"], str(e["name"])))
+
+    def chain(self, kernel: dict) -> list[str]:
+        """The host spans enclosing the kernel's launch, outermost first: with
+        ``logging.profile_with_stack`` these include the Python frames, i.e. which code launched it."""
+        launch = self.launch.get(kernel.get("args", {}).get("correlation"))
+        if launch is None:
+            return []
+        ts = launch["ts"]
+        inside = [(a, -b, name) for a, b, name in self.spans.get(launch.get("tid", 0), ()) if a <= ts <= b]
+        return [name for _, _, name in sorted(inside)]
+
     def op_of(self, kernel: dict) -> str:
         launch = self.launch.get(kernel.get("args", {}).get("correlation"))
         if launch is None or launch.get("tid", 0) not in self.top:
@@ -116,11 +137,12 @@ class _Launchers:
         return "(outside any op)"
 
 
-def _idle_gaps(mine: list[dict], launchers: _Launchers, top_n: int) -> tuple[float, list[dict]]:
+def _idle_gaps(mine: list[dict], launchers: _Launchers, top_n: int) -> tuple[float, list[dict], list[dict]]:
     """GPU idle stretches over GAP_US between a step's kernels, each charged to the host op that
-    launched the kernel ending it: what the GPU was waiting for the host to get to."""
+    launched the kernel ending it: what the GPU was waiting for the host to get to. Also the
+    LONGEST_GAPS longest ones, each with the kernels around it and the launch's call chain."""
     by_op: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    total, busy_until = 0.0, None
+    total, busy_until, prev, found = 0.0, None, None, []
     for k in sorted(mine, key=lambda k: k["ts"]):
         if busy_until is not None and k["ts"] - busy_until > GAP_US:
             gap = k["ts"] - busy_until
@@ -128,10 +150,14 @@ def _idle_gaps(mine: list[dict], launchers: _Launchers, top_n: int) -> tuple[flo
             agg[0] += gap
             agg[1] += 1
             total += gap
+            found.append((gap, prev, k))
         end = k["ts"] + k["dur"]
         busy_until = end if busy_until is None else max(busy_until, end)
+        prev = k
     top = sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top_n]
-    return total, [{"op": op, "ms": us / 1e3, "gaps": n} for op, (us, n) in top]
+    longest = [{"us": gap, "after": p["name"], "before": k["name"], "chain": launchers.chain(k)}
+               for gap, p, k in sorted(found, key=lambda f: -f[0])[:LONGEST_GAPS]]
+    return total, [{"op": op, "ms": us / 1e3, "gaps": n} for op, (us, n) in top], longest
 
 
 def summarize_trace(events: list[dict], top_n: int = TOP_N) -> list[dict]:
@@ -162,7 +188,7 @@ def summarize_trace(events: list[dict], top_n: int = TOP_N) -> list[dict]:
         busy_us = _union_us([(k["ts"], k["ts"] + k["dur"]) for k in mine])
         wall_us = wall_end - start
         top = sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:top_n]
-        gap_us, gaps = _idle_gaps(mine, launchers, top_n)
+        gap_us, gaps, longest = _idle_gaps(mine, launchers, top_n)
         out.append({
             "step": name,
             "wall_ms": wall_us / 1e3,
@@ -177,6 +203,7 @@ def summarize_trace(events: list[dict], top_n: int = TOP_N) -> list[dict]:
                             for n, (us, calls) in top],
             "idle_gaps_ms": gap_us / 1e3,
             "idle_gaps_by_launching_op": gaps,
+            "longest_idle_gaps": longest,
         })
     return out
 
@@ -209,6 +236,11 @@ def format_summary(summary: list[dict]) -> str:
         lines.append(f"  GPU idle gaps > {GAP_US:g} us: {s['idle_gaps_ms']:.1f} ms, by the host op that launched "
                      "the kernel ending each gap:")
         lines += [f"    {g['ms']:10.2f} ms {g['gaps']:6d} gaps  {g['op'][:140]}" for g in s["idle_gaps_by_launching_op"]]
+        if s.get("longest_idle_gaps"):
+            lines.append("  longest idle gaps (kernel before -> kernel after; the launch's host call chain, outermost first):")
+            for g in s["longest_idle_gaps"]:
+                lines.append(f"    {g['us']:8.1f} us  {g['after'][:70]} -> {g['before'][:70]}")
+                lines += [f"        {name[:150]}" for name in g["chain"][-CHAIN_DEPTH:]]
     return "\n".join(lines) + "\n"
 
 
@@ -221,6 +253,7 @@ class StepProfiler:
         self.enabled = self.first > 0 and rank in list(logging_cfg.profile_ranks)
         self.dir = Path(logging_cfg.dir) / "profile"
         self.rank, self.is_cuda = rank, is_cuda
+        self.with_stack = bool(logging_cfg.profile_with_stack)
         self.prof = None
         self.summary: list[dict] | None = None
 
@@ -231,7 +264,8 @@ class StepProfiler:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self.is_cuda:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.prof = torch.profiler.profile(activities=activities, record_shapes=False, with_stack=False)
+            self.prof = torch.profiler.profile(activities=activities, record_shapes=False,
+                                               with_stack=self.with_stack)
             self.prof.__enter__()
         if self.prof is not None and self.first <= it <= self.last:
             self._step_ctx = torch.profiler.record_function(f"ProfilerStep#{it}")

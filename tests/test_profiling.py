@@ -75,6 +75,11 @@ def test_idle_gaps_are_charged_to_the_top_level_host_op_that_launched_the_next_k
         ("aten::add", 1), ("autograd::engine::evaluate_function: MyFunctionBackward", 1), ("MyFunction", 1)]
     assert [g["ms"] for g in s["idle_gaps_by_launching_op"]] == pytest.approx([0.24, 0.22, 0.15])
     assert "GPU idle gaps > 20 us: 0.6 ms" in format_summary([s])
+    # one by one, longest first, with the ops enclosing each launch (outermost first)
+    assert [(g["us"], g["after"], g["before"]) for g in s["longest_idle_gaps"]] == [
+        (240, "k1", "k2"), (220, "k2", "k3"), (150, "k0", "k1")]
+    assert s["longest_idle_gaps"][2]["chain"] == ["MyFunction", "aten::mm"]
+    assert s["longest_idle_gaps"][1]["chain"] == ["autograd::engine::evaluate_function: MyFunctionBackward"]
 
 
 @pytest.mark.parametrize("name,category", [
