@@ -89,9 +89,10 @@ class ModelConfig:
     gdn_pre_impl: str = "auto"  # auto | fused | unfused
     # RMS norms through torch.compile (fused fwd/bwd kernels, same fp32 math); null = on CUDA only
     compile_norms: bool | None = None
-    # SwiGLU (silu(a) * b of the MLP's fc1 output) as megatron-core's fused function: one
-    # torch.compile'd kernel per direction instead of silu, multiply, chunk and cat kernels, and
-    # only fc1's output kept for backward. null = on CUDA only (the compile needs Triton there).
+    # SwiGLU (silu(a) * b of the MLP's fc1 output) fused: one kernel per direction instead of
+    # silu, multiply, chunk and cat kernels, and only fc1's output kept for backward. Runs
+    # kernels/fused_swiglu.py (Triton) where it applies, else megatron-core's compiled function
+    # with a warning. null = on CUDA only (both need Triton there).
     fused_swiglu: bool | None = None
     # LM loss through kernels/fused_linear_ce.py: chunked logits, never [tokens, vocab] at once
     # (saves ~12 bytes x tokens x vocab/TP; costs one extra LM-head GEMM in backward). On by

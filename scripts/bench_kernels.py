@@ -10,7 +10,9 @@ each GB/s figure can be read against it (``frac_of_copy``).
 
 Unfused baselines are what the model runs without the switches: mRoPE = apply_rotary on q and
 k with the angles already made (the model makes them once per step, so they are not charged
-to the layer); pre-GDR = Qwen35GatedDeltaNet.prepare's PyTorch chain (packed: the varlen conv).
+to the layer); pre-GDR = Qwen35GatedDeltaNet.prepare's PyTorch chain (packed: the varlen conv);
+SwiGLU = megatron-core's torch.compile'd fused function, which the model ran before
+kernels/fused_swiglu.py (the 2B/9B MLPs, and one 397B shared expert's rows).
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import fused_mrope as fm  # noqa: E402
 from kernels import fused_pre_gdr as fp  # noqa: E402
+from kernels import fused_swiglu as fs  # noqa: E402
 from models.qwen35_vl.mrope import apply_rotary, axis_of_frequency, inverse_frequencies, mrope_angles  # noqa: E402
 
 # per TP rank 1: (attention q heads, kv heads), (GDN key heads, value heads); head dims 256 / 128
 MODELS = {"2B": ((8, 2), (16, 16)), "9B": ((16, 4), (16, 32)), "397B-A17B": ((32, 2), (16, 64))}
+FFN = {"2B": 6144, "9B": 12288, "397B-A17B": 1024}  # the dense MLP; 397B: its shared expert
 
 
 DEV = "cuda"
@@ -179,12 +183,27 @@ def pre_gdr_rows(seq, copy, dtype=torch.bfloat16, n_samples=4, pad_to=None):
                          fused, unfused, [qkv, b, a, w, a_log, dt], seq * tok_fwd, seq * tok_bwd, copy))
 
 
+def swiglu_rows(seq, copy, dtype=torch.bfloat16):
+    from megatron.core.fusions.fused_bias_swiglu import SwiGLUFunction
+
+    for name in MODELS:
+        f = FFN[name]
+        y = torch.randn(seq, 1, 2 * f, device=DEV, dtype=dtype, requires_grad=True)
+
+        def megatron_compiled(y):
+            return SwiGLUFunction.apply(y, False, False)
+
+        e = y.element_size()
+        yield _row("swiglu", f"{name} fc1[{seq},1,{2 * f}]", str(dtype)[6:], fs.swiglu, megatron_compiled, [y],
+                   seq * 3 * f * e, seq * 5 * f * e, copy)  # fwd: read 2F, write F; bwd: read 3F, write 2F
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", help="write the rows here as a JSON list")
     ap.add_argument("--seqs", default="4096,16384,32768")
     ap.add_argument("--models", default="2B,9B,397B-A17B", help="a subset of 2B,9B,397B-A17B")
-    ap.add_argument("--kernels", default="mrope,pre_gdr", help="a subset of mrope,pre_gdr")
+    ap.add_argument("--kernels", default="mrope,pre_gdr,swiglu", help="a subset of mrope,pre_gdr,swiglu")
     ap.add_argument("--pad-samples", type=int, default=0,
                     help="pad pre-GDR's cu_seqlens with empty segments up to this many samples, as "
                          "train.cuda_graphs does (train.cuda_graph_max_samples, 64)")
@@ -202,7 +221,8 @@ def main(argv=None) -> int:
     rows, t0 = [], time.perf_counter()
     for seq in (int(s) for s in args.seqs.split(",")):
         makers = {"mrope": mrope_rows,
-                  "pre_gdr": functools.partial(pre_gdr_rows, pad_to=args.pad_samples or None)}
+                  "pre_gdr": functools.partial(pre_gdr_rows, pad_to=args.pad_samples or None),
+                  "swiglu": swiglu_rows}
         for make in (makers[k] for k in args.kernels.split(",")):
             for r in make(seq, copy):
                 rows.append(r)

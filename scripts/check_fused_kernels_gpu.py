@@ -26,6 +26,7 @@ os.environ.setdefault("FUSED_KERNELS_AUTOTUNE", "0")
 
 from kernels import fused_mrope as fm  # noqa: E402
 from kernels import fused_pre_gdr as fp  # noqa: E402
+from kernels import fused_swiglu as fs  # noqa: E402
 from models.qwen35_vl.mrope import inverse_frequencies  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -33,6 +34,8 @@ TOL = {"fp32": 2e-5, "fp16": 2e-3, "bf16": 1.6e-2}
 
 
 def _rel(out, ref) -> float:
+    if ref.numel() == 0:
+        return 0.0 if out.shape == ref.shape else float("inf")
     return ((out.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-12)).item()
 
 
@@ -129,6 +132,18 @@ def pre_gdr_case(device, dtype_name, B, S, nk, nv, K, V, lens=None, seed=0):
                  f"K={K} V={V}{' lens=' + str(lens) if lens else ''}", dtype=dtype_name, errs=errs, shapes_ok=ok)]
 
 
+# ----------------------------------------------------------------------------- SwiGLU cases
+
+
+def swiglu_case(device, dtype_name, shape, seed=0):
+    """fc1's output [..., 2F] as the MLP hands it: [S, B, 2F] (or [tokens, 2F] for experts)."""
+    g = torch.Generator().manual_seed(seed)
+    y = (torch.randn(*shape, generator=g) * 3).to(device)  # wide enough to reach silu's tails
+    errs, ok = _compare("swiglu", fs.swiglu, fs.swiglu_reference, [(y, False)], DTYPES[dtype_name], seed)
+    return [dict(kernel="swiglu", case=f"{dtype_name} {list(shape)}", dtype=dtype_name,
+                 errs=dict(zip(["out", "d_fc1"], errs.values())), shapes_ok=ok)]
+
+
 # ----------------------------------------------------------------------------- case sets
 
 
@@ -152,6 +167,10 @@ def small_cases(device):
     out += pre_gdr_case(device, "fp32", 1, 19, 1, 1, 8, 8, lens=[0, 5, 1, 0, 13, 0, 0])
     out += pre_gdr_case(device, "fp32", 1, 21, 1, 1, 8, 8, lens=[2] * 9 + [3] + [0] * 60)
     out += pre_gdr_case(device, "fp16", 1, 9, 1, 1, 128, 128)  # the real head size
+    for dt in DTYPES:
+        out += swiglu_case(device, dt, (7, 2, 2 * 48))
+    out += swiglu_case(device, "bf16", (5, 1, 2 * 100))  # a half that is not a multiple of the block
+    out += swiglu_case(device, "fp32", (0, 1, 2 * 8))  # no tokens (an expert without any)
     return out
 
 
@@ -181,6 +200,10 @@ def full_cases(device):
     out += pre_gdr_case(device, "bf16", 1, 517, 2, 4, 32, 32, lens=[17, 500])  # the proxy's head
     # the CUDA graphs' padded offsets: 5 samples, then empty segments up to 66 offsets
     out += pre_gdr_case(device, "bf16", 1, 8192, 16, 16, 128, 128, lens=[1000, 37, 3000, 2100, 2055] + [0] * 60)
+    for dt in DTYPES:  # the 2B MLP (ffn 6144) at 8,192 tokens; a 9B-like width; experts' rows
+        out += swiglu_case(device, dt, (8192, 1, 2 * 6144))
+    out += swiglu_case(device, "bf16", (4099, 2, 2 * 12288))
+    out += swiglu_case(device, "bf16", (1531, 2 * 512))
     return out
 
 
@@ -188,7 +211,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--small", action="store_true", help="the small set (CPU interpreter)")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--only", choices=["mrope", "pre_gdr"], help="one kernel's cases")
+    ap.add_argument("--only", choices=["mrope", "pre_gdr", "swiglu"], help="one kernel's cases")
     ap.add_argument("--quick", action="store_true",
                     help="pre-GDR: three cases (head repeat 1/2/4, packed and padded, bf16 and fp32)")
     ap.add_argument("--json", help="write the results as JSON here ('-' for stdout only)")

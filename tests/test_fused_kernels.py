@@ -1,4 +1,4 @@
-"""Fused MRoPE and pre-GDR kernels: references against independent formulas (in process), and
+"""Fused MRoPE, pre-GDR and SwiGLU kernels: references against independent formulas (in process), and
 the Triton kernels against the references under the Triton interpreter (in a subprocess).
 
 The interpreter is chosen when a ``@triton.jit`` function is defined, i.e. when the kernel
@@ -55,14 +55,14 @@ def interpreted(interp_runs):
     return interp_runs["parity"]
 
 
-@pytest.mark.parametrize("kernel,expected", [("mrope", 19), ("pre_gdr", 6)])
+@pytest.mark.parametrize("kernel,expected", [("mrope", 19), ("pre_gdr", 6), ("swiglu", 5)])
 def test_triton_kernels_match_reference_under_interpreter(interpreted, kernel, expected):
     cases = [r for r in interpreted if r["kernel"] == kernel]
     assert len(cases) == expected  # every case ran (none skipped)
     bad = [f"{r['case']}: {r['errs']}" for r in cases if not r["ok"]]
     assert not bad, "\n".join(bad)
     # every output and gradient was compared, and fp32 matched to rounding
-    n_outputs = {"mrope": 2, "pre_gdr": 11}[kernel]
+    n_outputs = {"mrope": 2, "pre_gdr": 11, "swiglu": 2}[kernel]
     assert all(len(r["errs"]) == n_outputs for r in cases)
     assert all(max(r["errs"].values()) < 1e-6 for r in cases if r["dtype"] == "fp32")
 
@@ -235,8 +235,10 @@ def _model_check() -> dict:
 
     init_distributed()
     ps.initialize_model_parallel(1, 1)
-    calls = {"mrope": 0, "pre_gdr": 0}
-    real_mrope, real_pre = fm.fused_mrope, fp.fused_pre_gdr
+    from kernels import fused_swiglu as fs
+
+    calls = {"mrope": 0, "pre_gdr": 0, "swiglu": 0}
+    real_mrope, real_pre, real_swiglu = fm.fused_mrope, fp.fused_pre_gdr, fs.swiglu
 
     def count(name, fn):
         def wrapped(*a, **k):
@@ -245,8 +247,11 @@ def _model_check() -> dict:
         return wrapped
 
     fm.fused_mrope, fp.fused_pre_gdr = count("mrope", real_mrope), count("pre_gdr", real_pre)
-    loss_f, grads_f = _proxy_loss_and_grads(["model.fused_mrope=true", "model.gdn_pre_impl=fused"])
-    loss_u, grads_u = _proxy_loss_and_grads(["model.fused_mrope=false", "model.gdn_pre_impl=unfused"])
+    fs.swiglu = count("swiglu", real_swiglu)
+    loss_f, grads_f = _proxy_loss_and_grads(["model.fused_mrope=true", "model.gdn_pre_impl=fused",
+                                             "model.fused_swiglu=true"])
+    loss_u, grads_u = _proxy_loss_and_grads(["model.fused_mrope=false", "model.gdn_pre_impl=unfused",
+                                             "model.fused_swiglu=false"])
     errs = {n: ((grads_f[n] - g).abs().max() / g.abs().max().clamp_min(1e-12)).item() for n, g in grads_u.items()}
     return dict(calls=calls, loss_fused=loss_f.item(), loss_unfused=loss_u.item(), grad_rel=errs,
                 same_params=sorted(grads_f) == sorted(grads_u))
@@ -254,8 +259,9 @@ def _model_check() -> dict:
 
 def test_model_runs_both_fused_kernels_and_matches_the_pytorch_path(interp_runs):
     r = interp_runs["model"]
-    # one call for q and k together in the attention layer and in each of the 2 vision blocks; the GDN layer
-    assert r["calls"] == {"mrope": 3, "pre_gdr": 1}
+    # mRoPE: one call for q and k together in the attention layer and in each of the 2 vision
+    # blocks; pre-GDR: the GDN layer; SwiGLU: both layers' MLPs (through megatron's MLP)
+    assert r["calls"] == {"mrope": 3, "pre_gdr": 1, "swiglu": 2}
     assert r["same_params"]
     assert abs(r["loss_fused"] - r["loss_unfused"]) <= 1e-5 * abs(r["loss_unfused"])
     # A_log / dt_bias sum dg over tokens through the delta rule: ulp-level changes in g add up there

@@ -9,7 +9,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
 from models.base import MultimodalModel
-from models.common import norms
+from models.common import norms, swiglu
 from models.common.moe_aux_loss import use_group_mean_token_count
 from models.common.moe_nvtx import add_moe_nvtx_ranges
 from models.qwen35_vl import attention as attn_mod
@@ -173,6 +173,8 @@ def build(cfg, parallel, params_dtype: torch.dtype, pre_process: bool = True, po
           deterministic: bool = False) -> MultimodalModel:
     m = cfg
     tcfg = transformer_config(m, parallel, params_dtype, deterministic)
+    if tcfg.bias_activation_fusion:
+        swiglu.install()  # megatron's fused SwiGLU through our Triton kernels where they apply
     if m.num_experts:
         use_group_mean_token_count()  # aux-loss scaling that does not depend on the CP/SP split
     attn_mod.CoreAttention.backend = m.attention_backend
