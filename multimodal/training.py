@@ -304,6 +304,8 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
         torch.cuda.reset_peak_memory_stats()
 
     profiler = StepProfiler(cfg.logging, dist.get_rank(), rt.is_cuda)
+    pending: _PendingLog | None = None  # the last log step's numbers, still on the device
+    clock = _StepClock(rt.is_cuda)
     try:
         for it in range(start + 1, t.iters + 1):
             profiler.begin(it)
@@ -333,20 +335,22 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
             if mem is not None:
                 mem.after_step(it)
 
+            if pending is not None:
+                # the previous log step's numbers are read only now, with this whole step queued
+                # behind them: reading them at their own step would drain the GPU, and the next
+                # step would start on an idle device while the host prepares its batch
+                _emit(pending, peak, sink, result)
+                pending = None
             if it % cfg.logging.interval == 0 or it == t.iters:
-                metrics = _log_metrics(it, report, grad_norm, scheduler, window, peak, rt)
-                metrics["param_norm"] = _param_norm(model)
-                if _graphs_of(model):  # micro-batches that ran eager layers instead (logged once per reason)
-                    metrics["cuda_graph_eager_batches"] = sum(sum(g.eager_batches.values()) for g in _graphs_of(model))
-                    metrics["cuda_graph_captures"] = sum(g.captures for g in _graphs_of(model))
-                result.losses[it] = metrics["loss"]
-                sink.log(it, metrics)
-                report.zero_()
+                pending = _start_log(it, report, grad_norm, scheduler, window, clock, model, rt)
+                report = torch.zeros_like(report)  # the pending log holds the old one
                 window = _Window()
             if ck.dir and ((ck.interval and it % ck.interval == 0) or (it == t.iters and ck.save_at_end)):
                 checkpointing.save(ck.dir, it, model, optimizer, scheduler, batches.state_dict(), ck.keep_last,
                                    meta_files=checkpoint_meta(cfg))
             result.last_iteration = it
+        if pending is not None:
+            _emit(pending, peak, sink, result)
     finally:
         profiler.close()  # a run that stops inside the window still writes its profile
     sink.close()
@@ -357,7 +361,6 @@ class _Window:
     """Host-side counts (real tokens, FLOPs) over the steps since the last log line."""
 
     def __init__(self):
-        self.start = time.perf_counter()
         self.steps = 0
         self.tokens = 0
         self.flops = 0.0
@@ -370,7 +373,49 @@ class _Window:
             self.flops += training_flops(model_cfg, b["sample_lengths"], grids, b.get("lm_head_tokens"))
 
 
-def _log_metrics(it, report, grad_norm, scheduler, window: _Window, peak, rt: Runtime) -> dict:
+class _StepClock:
+    """Wall time between log steps without a host sync: on CUDA, events recorded on the stream at
+    the end of each log step (their difference is the stream's own timeline, idle gaps included,
+    i.e. what the steps really took); on the CPU, where every op is synchronous, the host clock.
+    Everything between two marks counts, logging included."""
+
+    def __init__(self, is_cuda: bool):
+        self.is_cuda = is_cuda
+        self.last = self._now()
+
+    def _now(self):
+        if self.is_cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def mark(self):
+        """-> (start, end) of the window that ends now."""
+        start, self.last = self.last, self._now()
+        return start, self.last
+
+    def seconds(self, start, end) -> float:
+        if self.is_cuda:
+            end.synchronize()  # this window's end only: later steps stay queued
+            return start.elapsed_time(end) / 1e3
+        return end - start
+
+
+@dataclass
+class _PendingLog:
+    """A log step's metrics as device tensors and host values, read later by ``_emit``."""
+    it: int
+    totals: torch.Tensor          # [loss_sum, supervised tokens, real tokens, FLOPs], reduced over DP
+    grad_norm: object             # device tensor, float or None
+    param_norm: torch.Tensor
+    host: dict                    # lr, CUDA-graph counters, steps in the window
+    window: tuple                 # (start, end) marks of _StepClock
+    clock: _StepClock
+
+
+def _start_log(it, report, grad_norm, scheduler, window: _Window, clock: _StepClock, model, rt: Runtime) -> _PendingLog:
+    """Queue this log step's reductions (collectives and norms) on the device; read nothing back."""
     dp_group = ps.get_data_parallel_group()
     # Every pipeline stage of a DP replica reads the same micro-batches, so tokens and FLOPs are
     # counted once per replica (summed over DP only); only the last stage has the loss, which
@@ -383,30 +428,42 @@ def _log_metrics(it, report, grad_norm, scheduler, window: _Window, peak, rt: Ru
     totals = torch.cat([report.double(), torch.tensor([window.tokens, window.flops], dtype=torch.float64,
                                                       device=report.device)])
     dist.all_reduce(totals, group=dp_group)  # loss and tokens of the whole data-parallel batch
-    totals = totals.cpu()
-    if rt.is_cuda:
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - window.start
+    host = {"lr": scheduler.get_lr(scheduler.optimizer.param_groups[0]), "steps": window.steps}
+    if _graphs_of(model):  # micro-batches that ran eager layers instead (logged once per reason)
+        host["cuda_graph_eager_batches"] = sum(sum(g.eager_batches.values()) for g in _graphs_of(model))
+        host["cuda_graph_captures"] = sum(g.captures for g in _graphs_of(model))
+    param_norm = _param_norm(model)  # of this step's parameters, before the next step changes them
+    return _PendingLog(it, totals, grad_norm, param_norm, host, clock.mark(), clock)
+
+
+def _emit(p: _PendingLog, peak, sink: MetricsSink, result: TrainResult) -> None:
+    elapsed = p.clock.seconds(*p.window)
+    totals = p.totals.cpu()
     world = dist.get_world_size()
     tflops_per_gpu = totals[3].item() / elapsed / world / 1e12
-    mem = torch.cuda.max_memory_allocated() / 2**30 if rt.is_cuda else _cpu_peak_gib()
-    return {
-        "step": it,
+    metrics = {
+        "step": p.it,
         "loss": totals[0].item() / max(totals[1].item(), 1.0),
-        "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-        "lr": scheduler.get_lr(scheduler.optimizer.param_groups[0]),
+        "grad_norm": float(p.grad_norm) if p.grad_norm is not None else float("nan"),
+        "lr": p.host["lr"],
         "tokens_per_s": totals[2].item() / elapsed,
         "tflops_per_gpu": tflops_per_gpu,
         "mfu": tflops_per_gpu / peak if peak else None,
-        "mem_peak_gib": mem,
-        "step_time_s": elapsed / max(window.steps, 1),
+        "mem_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if p.clock.is_cuda else _cpu_peak_gib(),
+        "step_time_s": elapsed / max(p.host["steps"], 1),
         "supervised_tokens": int(totals[1].item()),
+        "param_norm": p.param_norm.item(),
     }
+    metrics.update({k: v for k, v in p.host.items() if k.startswith("cuda_graph")})
+    result.losses[p.it] = metrics["loss"]
+    sink.log(p.it, metrics)
 
 
-def _param_norm(model) -> float:
+def _param_norm(model) -> torch.Tensor:
     """L2 norm of all parameters, each counted once across tensor-parallel ranks and pipeline
-    stages (the tied output weight copy on the last stage is marked shared) (log steps only)."""
+    stages (the tied output weight copy on the last stage is marked shared), as a device scalar
+    (log steps only). One multi-tensor norm per dtype group: a per-parameter float/square/sum cost
+    three kernels and an fp32 copy of every parameter."""
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
     from megatron.core.transformer.module import param_is_not_shared
 
@@ -414,11 +471,21 @@ def _param_norm(model) -> float:
     dense, expert = [], []  # expert weights (allreduce=False) are split over EP, not replicated
     for p in model.parameters():
         if param_is_not_tensor_parallel_duplicate(p) and param_is_not_shared(p):
-            (dense if getattr(p, "allreduce", True) else expert).append(p.detach().float().square().sum())
-    sums = [torch.stack(x).sum() if x else torch.zeros((), device=device) for x in (dense, expert)]
+            (dense if getattr(p, "allreduce", True) else expert).append(p.detach())
+    sums = [_sum_of_squares(x, device) for x in (dense, expert)]
     dist.all_reduce(sums[0], group=ps.get_model_parallel_group())
     dist.all_reduce(sums[1], group=ps.get_expert_tensor_model_pipeline_parallel_group())
-    return (sums[0] + sums[1]).sqrt().item()
+    return (sums[0] + sums[1]).sqrt()
+
+
+def _sum_of_squares(tensors: list[torch.Tensor], device) -> torch.Tensor:
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group in by_dtype.values():  # fp32 accumulation whatever the parameter dtype
+        total += torch.stack(torch._foreach_norm(group, 2, dtype=torch.float32)).square().sum()
+    return total
 
 
 def _cpu_peak_gib() -> float:
