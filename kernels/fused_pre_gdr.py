@@ -18,7 +18,8 @@ pass over memory, and autograd keeps most intermediates. Here:
   not memory, bound it (docs/benchmarks/kernels.md).
 
 Packed rows (B == 1 with ``cu_seqlens``): the conv reads and the tap folding never cross a
-sample boundary; each token finds its sample from cu_seqlens on the device (no host sync).
+sample boundary. A small kernel first tabulates every token's sample bounds from cu_seqlens on
+the device (no host sync), once per call; the forward, backward and fold kernels read that table.
 """
 
 from __future__ import annotations
@@ -93,7 +94,9 @@ if triton is not None:
         """(BLOCK_T, num_warps) pairs; the first is the only one when autotuning is off. Chosen from
         the H200 sweep (scripts/sweep_pre_gdr.py, docs/benchmarks/README.md session 8): small token
         blocks with few warps won for every kernel, and the backward's per-program dw partials
-        (4 x BLOCK_T x BLOCK_C fp32) spill registers beyond BLOCK_T 16."""
+        (4 x BLOCK_T x BLOCK_C fp32) spill registers beyond BLOCK_T 16. That sweep ran while each
+        program still searched cu_seqlens itself (latency-bound); larger blocks are candidates
+        again since the bounds come from a table."""
         if interpreting():  # several configs cannot be benchmarked without a GPU; big blocks = fewer
             return [triton.Config({"BLOCK_T": 32}, num_warps=4)]  # interpreted ops (the slow part)
         configs = [triton.Config({"BLOCK_T": bt}, num_warps=nw) for bt, nw in choices]
@@ -122,6 +125,29 @@ if triton is not None:
             end = tl.zeros_like(s) + S
         return start, end
 
+    @triton.jit(do_not_specialize=["S", "n_cu"])
+    def _token_bounds(cu_ptr, bnd_ptr, S, n_cu, CU_STEPS: tl.constexpr, BLOCK: tl.constexpr):
+        """bnd[0, s] / bnd[1, s] = start / end of token s's sample, once per layer call: the main
+        kernels then load them (one coalesced load per token) instead of each (token block, head)
+        program repeating a CU_STEPS-long chain of dependent loads, which bound them by latency."""
+        s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+        m = s < S
+        start, end = _sample_bounds(cu_ptr, n_cu, s, S, True, CU_STEPS)
+        tl.store(bnd_ptr + s, start.to(tl.int32), mask=m)
+        tl.store(bnd_ptr + S + s, end.to(tl.int32), mask=m)
+
+    @triton.jit
+    def _bounds_of(bnd_ptr, s, S, VARLEN: tl.constexpr):
+        """[start, end) of each token's sample from the ``_token_bounds`` table (whole row without one)."""
+        if VARLEN:
+            m = s < S
+            start = tl.load(bnd_ptr + s, mask=m, other=0).to(tl.int64)
+            end = tl.load(bnd_ptr + S + s, mask=m, other=0).to(tl.int64)
+        else:
+            start = tl.zeros_like(s)
+            end = tl.zeros_like(s) + S
+        return start, end
+
     @triton.jit
     def _softplus(x):
         # torch's softplus (threshold 20) with an accurate log1p for small exp(-|x|)
@@ -130,19 +156,20 @@ if triton is not None:
         log1p = tl.where(u == 1.0, e, tl.log(u) * e / (u - 1.0))
         return tl.where(x > 20.0, x, tl.maximum(x, 0.0) + log1p)
 
-    @triton.autotune(configs=_configs((16, 2), (8, 1), (32, 4)), key=["C", "NK", "NV", "K", "V", "VARLEN"])
-    @triton.jit(do_not_specialize=["S", "n_cu", "sxb", "sbb", "sab"])
+    @triton.autotune(configs=_configs((16, 2), (8, 1), (32, 4), (16, 4), (64, 4)),
+                     key=["C", "NK", "NV", "K", "V", "VARLEN"])
+    @triton.jit(do_not_specialize=["S", "sxb", "sbb", "sab"])
     def _pre_gdr_fwd(
-        x_ptr, w_ptr, b_ptr, a_ptr, alog_ptr, dt_ptr, cu_ptr,
+        x_ptr, w_ptr, b_ptr, a_ptr, alog_ptr, dt_ptr, bnd_ptr,
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
-        S, n_cu, sxb, sxs, sbb, sbs, sab, sas,
+        S, sxb, sxs, sbb, sbs, sab, sas,
         C: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-        VARLEN: tl.constexpr, BLOCK_C: tl.constexpr, CU_STEPS: tl.constexpr, BLOCK_T: tl.constexpr,
+        VARLEN: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
     ):
         pid_t, head, bi = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
         s = pid_t * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
         smask = s < S
-        start, end = _sample_bounds(cu_ptr, n_cu, s, S, VARLEN, CU_STEPS)
+        start, end = _bounds_of(bnd_ptr, s, S, VARLEN)
         is_v = head >= 2 * NK
         c0 = tl.where(is_v, 2 * NK * K + (head - 2 * NK) * V, head * K)
         width = tl.where(is_v, V, K)
@@ -184,9 +211,9 @@ if triton is not None:
 
     @triton.jit
     def _du_head(
-        x_ptr, w_ptr, cu_ptr, dy_ptr, du_ptr, dw_part, bi, pid_t, n_pt, S, n_cu, sxb, sxs,
+        x_ptr, w_ptr, bnd_ptr, dy_ptr, du_ptr, dw_part, bi, pid_t, n_pt, S, sxb, sxs,
         c0, hout, C: tl.constexpr, NV: tl.constexpr, WIDTH: tl.constexpr, REP: tl.constexpr,
-        NORM: tl.constexpr, VARLEN: tl.constexpr, BLOCK_C: tl.constexpr, CU_STEPS: tl.constexpr,
+        NORM: tl.constexpr, VARLEN: tl.constexpr, BLOCK_C: tl.constexpr,
         BLOCK_T: tl.constexpr, ITERS: tl.constexpr,
     ):
         """du (gradient at the conv output, before SiLU) and partial dw for one q, k or v head."""
@@ -205,7 +232,7 @@ if triton is not None:
         for it in range(ITERS):
             s = (pid_t * ITERS + it) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
             smask = s < S
-            start, end = _sample_bounds(cu_ptr, n_cu, s, S, VARLEN, CU_STEPS)
+            start, end = _bounds_of(bnd_ptr, s, S, VARLEN)
             xrow = x_ptr + bi * sxb + s[:, None] * sxs + c[None, :]
             m = smask[:, None] & cmask[None, :]
             x0 = tl.load(xrow, mask=m, other=0.0).to(tl.float32)
@@ -235,15 +262,16 @@ if triton is not None:
         tl.store(prow + 1, tl.sum(a2, axis=0), mask=cmask)
         tl.store(prow + 0, tl.sum(a3, axis=0), mask=cmask)
 
-    @triton.autotune(configs=_configs((8, 2), (8, 4)), key=["C", "NK", "NV", "K", "V", "VARLEN", "TPP"])
-    @triton.jit(do_not_specialize=["S", "n_cu", "sxb", "sbb", "sab"])
+    @triton.autotune(configs=_configs((8, 2), (8, 4), (16, 4), (16, 2)),
+                     key=["C", "NK", "NV", "K", "V", "VARLEN", "TPP"])
+    @triton.jit(do_not_specialize=["S", "sxb", "sbb", "sab"])
     def _pre_gdr_bwd(
-        x_ptr, w_ptr, b_ptr, a_ptr, alog_ptr, dt_ptr, cu_ptr,
+        x_ptr, w_ptr, b_ptr, a_ptr, alog_ptr, dt_ptr, bnd_ptr,
         dq_ptr, dk_ptr, dv_ptr, dg_ptr, dbeta_ptr,
         du_ptr, db_ptr, da_ptr, dw_part, dalog_part, ddt_part,
-        S, n_cu, sxb, sxs, sbb, sbs, sab, sas,
+        S, sxb, sxs, sbb, sbs, sab, sas,
         C: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-        VARLEN: tl.constexpr, BLOCK_C: tl.constexpr, CU_STEPS: tl.constexpr, TPP: tl.constexpr,
+        VARLEN: tl.constexpr, BLOCK_C: tl.constexpr, TPP: tl.constexpr,
         BLOCK_T: tl.constexpr,
     ):
         # phase 1 of the backward: du per head (q/k: l2-norm and SiLU backward, v: SiLU backward),
@@ -254,15 +282,15 @@ if triton is not None:
         REP: tl.constexpr = NV // NK
         ITERS: tl.constexpr = TPP // BLOCK_T
         if head < NK:
-            _du_head(x_ptr, w_ptr, cu_ptr, dq_ptr, du_ptr, dw_part, bi, pid_t, n_pt, S, n_cu, sxb, sxs,
-                     head * K, head * REP, C, NV, K, REP, True, VARLEN, BLOCK_C, CU_STEPS, BLOCK_T, ITERS)
+            _du_head(x_ptr, w_ptr, bnd_ptr, dq_ptr, du_ptr, dw_part, bi, pid_t, n_pt, S, sxb, sxs,
+                     head * K, head * REP, C, NV, K, REP, True, VARLEN, BLOCK_C, BLOCK_T, ITERS)
         elif head < 2 * NK:
-            _du_head(x_ptr, w_ptr, cu_ptr, dk_ptr, du_ptr, dw_part, bi, pid_t, n_pt, S, n_cu, sxb, sxs,
-                     head * K, (head - NK) * REP, C, NV, K, REP, True, VARLEN, BLOCK_C, CU_STEPS, BLOCK_T, ITERS)
+            _du_head(x_ptr, w_ptr, bnd_ptr, dk_ptr, du_ptr, dw_part, bi, pid_t, n_pt, S, sxb, sxs,
+                     head * K, (head - NK) * REP, C, NV, K, REP, True, VARLEN, BLOCK_C, BLOCK_T, ITERS)
         else:
             hv = head - 2 * NK
-            _du_head(x_ptr, w_ptr, cu_ptr, dv_ptr, du_ptr, dw_part, bi, pid_t, n_pt, S, n_cu, sxb, sxs,
-                     2 * NK * K + hv * V, hv, C, NV, V, 1, False, VARLEN, BLOCK_C, CU_STEPS, BLOCK_T, ITERS)
+            _du_head(x_ptr, w_ptr, bnd_ptr, dv_ptr, du_ptr, dw_part, bi, pid_t, n_pt, S, sxb, sxs,
+                     2 * NK * K + hv * V, hv, C, NV, V, 1, False, VARLEN, BLOCK_C, BLOCK_T, ITERS)
             # gates of value head hv: beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias)
             e_a = tl.exp(tl.load(alog_ptr + hv).to(tl.float32))
             dt = tl.load(dt_ptr + hv).to(tl.float32)
@@ -285,15 +313,15 @@ if triton is not None:
             tl.store(ddt_part + (bi * n_pt + pid_t) * NV + hv, tl.sum(acc_dt, axis=0))
 
 
-    @triton.jit(do_not_specialize=["S", "n_cu"])
-    def _conv_fold(du_ptr, w_ptr, cu_ptr, dx_ptr, S, n_cu, C: tl.constexpr, VARLEN: tl.constexpr,
-                   CU_STEPS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    @triton.jit(do_not_specialize=["S"])
+    def _conv_fold(du_ptr, w_ptr, bnd_ptr, dx_ptr, S, C: tl.constexpr, VARLEN: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
         """Phase 2: dx[t] = sum_j w[3-j] du[t+j], taps inside t's sample only (the conv's transpose)."""
         bi = tl.program_id(2).to(tl.int64)
         s = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         smask, cmask = s < S, c < C
-        _, end = _sample_bounds(cu_ptr, n_cu, s, S, VARLEN, CU_STEPS)
+        _, end = _bounds_of(bnd_ptr, s, S, VARLEN)
         row = du_ptr + (bi * S + s[:, None]) * C + c[None, :]
         dx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
         for j in tl.static_range(4):
@@ -309,8 +337,17 @@ def _row_view(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _cu(cu_seqlens, ref):
-    return (cu_seqlens if cu_seqlens is not None else ref), (cu_seqlens.numel() if cu_seqlens is not None else 2)
+def _sample_bounds_table(cu_seqlens, S: int, ref: torch.Tensor) -> torch.Tensor:
+    """int32 [2, S]: each token's sample start and end (packed rows); a placeholder without
+    cu_seqlens (the kernels then use the whole row and never read it)."""
+    if cu_seqlens is None:
+        return ref.new_empty(0, dtype=torch.int32)
+    bounds = torch.empty(2, S, device=ref.device, dtype=torch.int32)
+    if S:
+        n_cu = cu_seqlens.numel()
+        _token_bounds[(triton.cdiv(S, 1024),)](cu_seqlens, bounds, S, n_cu, CU_STEPS=cu_steps(n_cu), BLOCK=1024,
+                                               num_warps=4)
+    return bounds
 
 
 class _FusedPreGDR(torch.autograd.Function):
@@ -328,22 +365,23 @@ class _FusedPreGDR(torch.autograd.Function):
         v = torch.empty(B, S, nv, V, device=dev, dtype=qkv.dtype)
         g = torch.empty(B, S, nv, device=dev, dtype=torch.float32)
         beta = torch.empty(B, S, nv, device=dev, dtype=b.dtype)
-        cu, n_cu = _cu(cu_seqlens, qkv)
+        bounds = _sample_bounds_table(cu_seqlens, S, qkv)
         if B * S:
             grid = lambda meta: (triton.cdiv(S, meta["BLOCK_T"]), 2 * nk + nv, B)  # noqa: E731
             _pre_gdr_fwd[grid](
-                qkv, weight, b, a, A_log, dt_bias, cu, q, k, v, g, beta,
-                S, n_cu, qkv.stride(0), qkv.stride(1), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
+                qkv, weight, b, a, A_log, dt_bias, bounds, q, k, v, g, beta,
+                S, qkv.stride(0), qkv.stride(1), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
                 C=C, NK=nk, NV=nv, K=K, V=V, VARLEN=cu_seqlens is not None,
-                BLOCK_C=triton.next_power_of_2(max(K, V)), CU_STEPS=cu_steps(n_cu),
+                BLOCK_C=triton.next_power_of_2(max(K, V)),
             )
-        ctx.save_for_backward(qkv, b, a, weight, A_log, dt_bias, cu_seqlens)
+        ctx.save_for_backward(qkv, b, a, weight, A_log, dt_bias, bounds)
+        ctx.varlen = cu_seqlens is not None
         ctx.dims = (nk, K, V)
         return q, k, v, g, beta
 
     @staticmethod
     def backward(ctx, dq, dk, dv, dg, dbeta):
-        qkv, b, a, weight, A_log, dt_bias, cu_seqlens = ctx.saved_tensors
+        qkv, b, a, weight, A_log, dt_bias, bounds = ctx.saved_tensors
         nk, K, V = ctx.dims
         B, S, C = qkv.shape
         nv = b.shape[-1]
@@ -355,7 +393,6 @@ class _FusedPreGDR(torch.autograd.Function):
         if B * S == 0:
             return (torch.zeros_like(qkv), torch.zeros_like(b), torch.zeros_like(a), torch.zeros_like(weight),
                     torch.zeros_like(A_log), torch.zeros_like(dt_bias), None, None, None, None)
-        cu, n_cu = _cu(cu_seqlens, qkv)
         tpp = _tokens_per_program(S, B * (2 * nk + nv))
         n_pt = triton.cdiv(S, tpp)
         # partial sums per (row, token program): every entry is written once by its program
@@ -365,16 +402,15 @@ class _FusedPreGDR(torch.autograd.Function):
         # phase 1: du (in the input dtype: the fold below is a 4-term sum) and all parameter partials
         du = torch.empty(B, S, C, device=qkv.device, dtype=qkv.dtype)
         _pre_gdr_bwd[(n_pt, 2 * nk + nv, B)](
-            qkv, weight, b, a, A_log, dt_bias, cu, dq, dk, dv, dg, dbeta, du, db, da, dw_part, alog_part, dt_part,
-            S, n_cu, qkv.stride(0), qkv.stride(1), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
-            C=C, NK=nk, NV=nv, K=K, V=V, VARLEN=cu_seqlens is not None,
-            BLOCK_C=triton.next_power_of_2(max(K, V)), CU_STEPS=cu_steps(n_cu), TPP=tpp,
+            qkv, weight, b, a, A_log, dt_bias, bounds, dq, dk, dv, dg, dbeta, du, db, da, dw_part, alog_part, dt_part,
+            S, qkv.stride(0), qkv.stride(1), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
+            C=C, NK=nk, NV=nv, K=K, V=V, VARLEN=ctx.varlen,
+            BLOCK_C=triton.next_power_of_2(max(K, V)), TPP=tpp,
         )
         # phase 2: fold the taps back onto the conv input
         bt = 32 if interpreting() else 16  # 16 x 128 with 2 warps: best of the H200 sweep (session 8)
         _conv_fold[(triton.cdiv(S, bt), triton.cdiv(C, 128), B)](
-            du, weight, cu, dx, S, n_cu, C=C, VARLEN=cu_seqlens is not None,
-            CU_STEPS=cu_steps(n_cu), BLOCK_T=bt, BLOCK_C=128, num_warps=2,
+            du, weight, bounds, dx, S, C=C, VARLEN=ctx.varlen, BLOCK_T=bt, BLOCK_C=128, num_warps=2,
         )
         dw = dw_part.sum(0).to(weight.dtype)
         dalog = alog_part.sum(0).to(A_log.dtype)

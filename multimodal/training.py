@@ -404,11 +404,12 @@ class _StepClock:
 
 @dataclass
 class _PendingLog:
-    """A log step's metrics as device tensors and host values, read later by ``_emit``."""
+    """A log step's metrics, read later by ``_emit``: ``values`` is a host buffer that a
+    non-blocking copy fills once the device reaches the end of that step (the clock's end mark,
+    recorded after the copy, says when)."""
     it: int
-    totals: torch.Tensor          # [loss_sum, supervised tokens, real tokens, FLOPs], reduced over DP
-    grad_norm: object             # device tensor, float or None
-    param_norm: torch.Tensor
+    values: torch.Tensor          # [loss_sum, supervised tokens, real tokens, FLOPs, param norm, grad norm]
+    grad_norm: float | None       # when the optimizer gave a host value (else it is in ``values``)
     host: dict                    # lr, CUDA-graph counters, steps in the window
     window: tuple                 # (start, end) marks of _StepClock
     clock: _StepClock
@@ -433,26 +434,39 @@ def _start_log(it, report, grad_norm, scheduler, window: _Window, clock: _StepCl
         host["cuda_graph_eager_batches"] = sum(sum(g.eager_batches.values()) for g in _graphs_of(model))
         host["cuda_graph_captures"] = sum(g.captures for g in _graphs_of(model))
     param_norm = _param_norm(model)  # of this step's parameters, before the next step changes them
-    return _PendingLog(it, totals, grad_norm, param_norm, host, clock.mark(), clock)
+    on_device = torch.is_tensor(grad_norm)
+    g = grad_norm.reshape(1).to(totals) if on_device else totals.new_zeros(1)
+    values = torch.cat([totals, param_norm.reshape(1).to(totals), g])
+    # not .cpu(): that waits for everything queued so far, here and again at the read below
+    staged = torch.empty(values.shape, dtype=values.dtype, pin_memory=rt.is_cuda)
+    staged.copy_(values, non_blocking=True)
+    host_grad = None if on_device or grad_norm is None else float(grad_norm)
+    if grad_norm is None:
+        host["no_grad_norm"] = True
+    return _PendingLog(it, staged, host_grad, host, clock.mark(), clock)
 
 
 def _emit(p: _PendingLog, peak, sink: MetricsSink, result: TrainResult) -> None:
-    elapsed = p.clock.seconds(*p.window)
-    totals = p.totals.cpu()
+    elapsed = p.clock.seconds(*p.window)  # waits for the window's end mark: the staged copy is done
+    totals = p.values.tolist()
+    if p.grad_norm is not None:
+        grad_norm = p.grad_norm
+    else:
+        grad_norm = float("nan") if p.host.get("no_grad_norm") else totals[5]
     world = dist.get_world_size()
-    tflops_per_gpu = totals[3].item() / elapsed / world / 1e12
+    tflops_per_gpu = totals[3] / elapsed / world / 1e12
     metrics = {
         "step": p.it,
-        "loss": totals[0].item() / max(totals[1].item(), 1.0),
-        "grad_norm": float(p.grad_norm) if p.grad_norm is not None else float("nan"),
+        "loss": totals[0] / max(totals[1], 1.0),
+        "grad_norm": grad_norm,
         "lr": p.host["lr"],
-        "tokens_per_s": totals[2].item() / elapsed,
+        "tokens_per_s": totals[2] / elapsed,
         "tflops_per_gpu": tflops_per_gpu,
         "mfu": tflops_per_gpu / peak if peak else None,
         "mem_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if p.clock.is_cuda else _cpu_peak_gib(),
         "step_time_s": elapsed / max(p.host["steps"], 1),
-        "supervised_tokens": int(totals[1].item()),
-        "param_norm": p.param_norm.item(),
+        "supervised_tokens": int(totals[1]),
+        "param_norm": totals[4],
     }
     metrics.update({k: v for k, v in p.host.items() if k.startswith("cuda_graph")})
     result.losses[p.it] = metrics["loss"]
