@@ -1,8 +1,8 @@
 """Step profiler for the training loop: where the time of a step goes.
 
 ``logging.profile_step=N`` (0 = off) runs ``torch.profiler`` over steps
-``N .. N + logging.profile_num_steps - 1`` on the ranks in ``logging.profile_ranks`` and writes,
-under ``<logging.dir>/profile/``:
+``N .. N + logging.profile_num_steps - 1`` (and step N - 1, traced as a warm-up and not
+summarized) on the ranks in ``logging.profile_ranks`` and writes, under ``<logging.dir>/profile/``:
 
 - ``trace_rank{r}.json.gz``: the full timeline (open in https://ui.perfetto.dev or
   chrome://tracing; TensorBoard's profiler plugin reads it too);
@@ -38,6 +38,7 @@ import torch
 log = logging.getLogger(__name__)
 
 TOP_N = 60
+WARMUP_PREFIX = "ProfilerWarmup#"  # the traced step before the profiled ones, not summarized
 LONGEST_GAPS = 12   # idle gaps listed one by one, with their launch's call chain
 CHAIN_DEPTH = 25    # innermost frames of each chain printed
 
@@ -126,6 +127,10 @@ class _Launchers:
         inside = [(a, -b, name) for a, b, name in self.spans.get(launch.get("tid", 0), ()) if a <= ts <= b]
         return [name for _, _, name in sorted(inside)]
 
+    def launch_ts(self, kernel: dict) -> float | None:
+        launch = self.launch.get(kernel.get("args", {}).get("correlation"))
+        return None if launch is None else launch["ts"]
+
     def op_of(self, kernel: dict) -> str:
         launch = self.launch.get(kernel.get("args", {}).get("correlation"))
         if launch is None or launch.get("tid", 0) not in self.top:
@@ -137,12 +142,16 @@ class _Launchers:
         return "(outside any op)"
 
 
-def _idle_gaps(mine: list[dict], launchers: _Launchers, top_n: int) -> tuple[float, list[dict], list[dict]]:
-    """GPU idle stretches over GAP_US between a step's kernels, each charged to the host op that
-    launched the kernel ending it: what the GPU was waiting for the host to get to. Also the
-    LONGEST_GAPS longest ones, each with the kernels around it and the launch's call chain."""
+def _idle_gaps(mine: list[dict], launchers: _Launchers, top_n: int,
+               busy_until: float | None = None) -> tuple[float, list[dict], list[dict]]:
+    """GPU idle stretches over GAP_US between a step's kernels (and from ``busy_until``, where the
+    step's device time starts, to its first kernel), each charged to the host op that launched
+    the kernel ending it: what the GPU was waiting for the host to get to. Also the LONGEST_GAPS
+    longest ones, each with the kernels around it and the launch's call chain."""
     by_op: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    total, busy_until, prev, found = 0.0, None, None, []
+    total, prev, found = 0.0, None, []
+    if busy_until is not None:
+        prev = {"name": "(the step's start)"}
     for k in sorted(mine, key=lambda k: k["ts"]):
         if busy_until is not None and k["ts"] - busy_until > GAP_US:
             gap = k["ts"] - busy_until
@@ -162,21 +171,36 @@ def _idle_gaps(mine: list[dict], launchers: _Launchers, top_n: int) -> tuple[flo
 
 def summarize_trace(events: list[dict], top_n: int = TOP_N) -> list[dict]:
     """One summary per ``ProfilerStep#k`` in a chrome trace: wall time, device-busy time,
-    device time by category and the top kernels. Kernels are attributed to the step whose
-    host span they start in (plus the tail after the last step, which is that step's
-    asynchronous work)."""
-    steps = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+    device time by category and the top kernels.
+
+    A kernel belongs to the step whose host span launched it (through the launch's correlation
+    id; a kernel without one, to the span it starts in): with the host ahead of the GPU, a step's
+    kernels run on after its host span and the previous step's still run inside it. A step's
+    device time starts when the previous step's last kernel ends (or at its host span's start, if
+    the GPU was already idle then) and ends with its own last kernel. ``ProfilerWarmup#k`` spans
+    (the step before the first profiled one, see StepProfiler) only provide that previous end."""
+    spans = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
                    if e.get("ph") == "X" and e.get("cat") in ("user_annotation", "cpu_op")
-                   and str(e.get("name", "")).startswith("ProfilerStep#"))
+                   and str(e.get("name", "")).startswith(("ProfilerStep#", WARMUP_PREFIX)))
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in _KERNEL_CATS]
     launchers = _Launchers(events)
-    out = []
-    for i, (start, end, name) in enumerate(steps):
-        # a step's kernels may run after its host span ends (the host is ahead of the GPU):
-        # everything until the next step's host span begins belongs to this step
-        horizon = steps[i + 1][0] if i + 1 < len(steps) else float("inf")
-        mine = [k for k in kernels if start <= k["ts"] < horizon]
-        wall_end = max([end] + [k["ts"] + k["dur"] for k in mine])
+    span_starts = [a for a, _, _ in spans]
+    by_span: dict[int, list[dict]] = defaultdict(list)
+    for k in kernels:
+        t = launchers.launch_ts(k)
+        i = bisect.bisect_right(span_starts, k["ts"] if t is None else t) - 1
+        if i >= 0:
+            by_span[i].append(k)
+    out, prev_end = [], None
+    for i, (start, end, name) in enumerate(spans):
+        mine = by_span[i]
+        ends = [k["ts"] + k["dur"] for k in mine]
+        if name.startswith(WARMUP_PREFIX):
+            prev_end = max(ends, default=prev_end)
+            continue
+        wall_start = start if prev_end is None else max(start, prev_end)
+        wall_end = max([end] + ends)
+        prev_end = max(ends, default=prev_end)
         by_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
         by_cat: dict[str, float] = defaultdict(float)
         for k in mine:
@@ -186,9 +210,9 @@ def summarize_trace(events: list[dict], top_n: int = TOP_N) -> list[dict]:
             by_cat[categorize(k["name"])] += k["dur"]
         kernel_us = sum(v[0] for v in by_kernel.values())
         busy_us = _union_us([(k["ts"], k["ts"] + k["dur"]) for k in mine])
-        wall_us = wall_end - start
+        wall_us = wall_end - wall_start
         top = sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:top_n]
-        gap_us, gaps, longest = _idle_gaps(mine, launchers, top_n)
+        gap_us, gaps, longest = _idle_gaps(mine, launchers, top_n, busy_until=wall_start)
         out.append({
             "step": name,
             "wall_ms": wall_us / 1e3,
@@ -257,22 +281,28 @@ class StepProfiler:
         self.prof = None
         self.summary: list[dict] | None = None
 
+    def _traced(self, it: int) -> bool:
+        return it == self.first - 1 or self.first <= it <= self.last
+
     def begin(self, it: int) -> None:
-        if not self.enabled:
+        """The profiler starts one step early (``ProfilerWarmup#``, traced, not summarized):
+        starting it costs host time while the GPU runs dry, which would otherwise land in the
+        first profiled step as idle gaps before its first launches."""
+        if not self.enabled or not self._traced(it):
             return
-        if it == self.first:
+        if self.prof is None:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self.is_cuda:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.prof = torch.profiler.profile(activities=activities, record_shapes=False,
                                                with_stack=self.with_stack)
             self.prof.__enter__()
-        if self.prof is not None and self.first <= it <= self.last:
-            self._step_ctx = torch.profiler.record_function(f"ProfilerStep#{it}")
-            self._step_ctx.__enter__()
+        label = f"{WARMUP_PREFIX}{it}" if it < self.first else f"ProfilerStep#{it}"
+        self._step_ctx = torch.profiler.record_function(label)
+        self._step_ctx.__enter__()
 
     def end(self, it: int) -> None:
-        if self.prof is None or not (self.first <= it <= self.last):
+        if self.prof is None or not self._traced(it):
             return
         self._step_ctx.__exit__(None, None, None)
         if it == self.last:

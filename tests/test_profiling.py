@@ -7,6 +7,7 @@ import gzip
 import json
 
 import pytest
+import torch
 
 from multimodal.config import ConfigError, load_config, validate
 from multimodal.profiling import categorize, format_summary, summarize_trace
@@ -121,3 +122,49 @@ def test_cpu_training_run_writes_trace_and_operator_table(tmp_path):
     assert any(op in ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear") for op in ops), ops
     assert 0 < sum(o["fraction"] for o in summary["top_ops"]) <= 1.0 + 1e-9
     assert "aten::" in (prof / "kernels_rank0.txt").read_text()
+
+
+def test_kernels_belong_to_the_step_that_launched_them_and_the_warmup_step_is_not_summarized():
+    """The host runs ahead: the warm-up step's kernel runs inside step 2's host span. It must not
+    be charged to step 2, and step 2's device time starts when that kernel ends."""
+    def launch(corr, ts):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 2, "tid": 1,
+                "args": {"correlation": corr}}
+
+    def kernel(corr, ts, dur):
+        return {**_kernel(f"k{corr}", ts, dur), "args": {"correlation": corr}}
+
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerWarmup#1", "ts": 0, "dur": 100},
+        _step(2, 100, 100),
+        launch(1, 50), launch(2, 110), launch(3, 150),
+        kernel(1, 120, 100),   # the warm-up step's, running until 220
+        kernel(2, 230, 50),    # step 2's: 10 us after the previous step's last kernel (normal spacing)
+        kernel(3, 330, 20),    # 50 us idle before it: charged
+    ]
+    (s,) = summarize_trace(events)
+    assert s["step"] == "ProfilerStep#2" and s["num_kernels"] == 2
+    assert s["wall_ms"] == pytest.approx(0.130)       # 220 -> 350
+    assert s["device_busy_ms"] == pytest.approx(0.070)
+    assert s["idle_gaps_ms"] == pytest.approx(0.050)
+    assert [(g["after"], g["before"]) for g in s["longest_idle_gaps"]] == [("k2", "k3")]
+
+
+def test_profiler_traces_one_warmup_step_before_the_profiled_ones(tmp_path):
+    from types import SimpleNamespace
+
+    from multimodal.profiling import StepProfiler
+
+    cfg = SimpleNamespace(profile_step=3, profile_num_steps=1, profile_ranks=[0], dir=str(tmp_path),
+                          profile_with_stack=False)
+    prof = StepProfiler(cfg, rank=0, is_cuda=False)
+    for it in (1, 2, 3, 4):
+        prof.begin(it)
+        if it == 2:
+            assert prof.prof is not None  # started a step early
+        torch.ones(8).sum()
+        prof.end(it)
+    assert prof.prof is None and prof.summary is not None  # finished after step 3
+    trace = json.loads(gzip.open(tmp_path / "profile" / "trace_rank0.json.gz", "rt").read())["traceEvents"]
+    names = {e["name"] for e in trace if str(e.get("name", "")).startswith(("ProfilerStep#", "ProfilerWarmup#"))}
+    assert names == {"ProfilerWarmup#2", "ProfilerStep#3"}
