@@ -93,16 +93,22 @@ def _unbatched(rows):
 class MicroBatchIterator:
     """Yields collated micro-batches forever.
 
-    pack=True: one THD row per micro-batch, greedily filled with the rank's next samples while
-    they fit in ``seq_length``; a sample that does not fit opens the next row (it is not
-    consumed before). pack=False: ``micro_batch_size`` samples per BSHD micro-batch.
+    pack=True: one THD row per micro-batch. With ``pack_lookahead`` = 0, greedily filled with the
+    rank's next samples while they fit in ``seq_length``; a sample that does not fit opens the
+    next row. With ``pack_lookahead`` = L > 0, the row starts with the oldest of the next L
+    samples (so none waits for ever) and is then filled best-fit: each time the largest of the L
+    buffered samples that still fits, the buffer refilled in order after each take. Rows then
+    carry fewer pad tokens (the 2B recipe's mock rows: 89% real tokens in order, see
+    ``pack_fill`` in scripts/bench_loader.py). pack=False: ``micro_batch_size`` samples per BSHD
+    micro-batch.
     ``start_index`` is where the whole dp group starts in the global sample order (rank r
     begins at start_index + r); to resume, use ``load_state_dict`` instead.
     """
 
     def __init__(self, dataset, seq_length: int, pad_id: int, image_token_id: int, merge: int,
                  pack: bool, micro_batch_size: int, dp_rank: int, dp_size: int, start_index: int = 0,
-                 max_bad_fraction: float = 0.1, num_workers: int = 0, pad_multiple: int = 1):
+                 max_bad_fraction: float = 0.1, num_workers: int = 0, pad_multiple: int = 1,
+                 pack_lookahead: int = 0):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} must be in [0, dp_size={dp_size})")
         if len(dataset) == 0:
@@ -122,6 +128,10 @@ class MicroBatchIterator:
         self.num_workers = num_workers
         self.pad_multiple = pad_multiple  # packed samples are padded to multiples of it (CP/SP)
         self._rows = None  # iterator of (index, sample, skip reason) from the workers
+        if pack_lookahead < 0:
+            raise ValueError(f"pack_lookahead must be >= 0, got {pack_lookahead}")
+        self.lookahead = pack_lookahead if pack else 0
+        self._buffer: list[tuple[int, dict, int]] = []  # (index, sample, packed length), oldest first
 
     def _read(self, index: int) -> dict | None:
         if not self.num_workers:
@@ -167,24 +177,48 @@ class MicroBatchIterator:
         self._next += self.dp_size
         return sample
 
+    def _size(self, sample: dict) -> int:
+        return padded_length(len(sample["input_ids"]), self.pad_multiple)
+
+    def _refill(self) -> None:
+        while len(self._buffer) < self.lookahead:
+            sample = self._peek()
+            self._buffer.append((self._next, sample, self._size(sample)))
+            self._take()
+
+    def _best_fit_row(self) -> list[dict]:
+        self._refill()
+        _, first, used = self._buffer.pop(0)  # the oldest: every sample gets its turn
+        row = [first]
+        while True:
+            self._refill()
+            space = self.seq_length - used
+            fits = [j for j, (_, _, n) in enumerate(self._buffer) if n <= space]
+            if not fits:
+                return row
+            j = max(fits, key=lambda j: self._buffer[j][2])  # the largest; the oldest among equals
+            _, sample, n = self._buffer.pop(j)
+            row.append(sample)
+            used += n
+
     def __next__(self) -> dict:
         args = (self.seq_length, self.pad_id, self.image_token_id, self.merge)
         if not self.pack:
             return pad_bshd([self._take() for _ in range(self.micro_batch_size)], *args)
 
-        def size(sample):
-            return padded_length(len(sample["input_ids"]), self.pad_multiple)
-
+        if self.lookahead or self._buffer:  # (a buffer restored into a run without lookahead drains first)
+            return pack_thd(self._best_fit_row(), *args, pad_multiple=self.pad_multiple)
         row = [self._take()]  # always at least one sample; pack_thd raises if it is too long
-        used = size(row[0])
-        while used + size(self._peek()) <= self.seq_length:
-            used += size(self._peek())
+        used = self._size(row[0])
+        while used + self._size(self._peek()) <= self.seq_length:
+            used += self._size(self._peek())
             row.append(self._take())
         return pack_thd(row, *args, pad_multiple=self.pad_multiple)
 
     def state_dict(self) -> dict:
-        """The global (unwrapped, so epochs are visible) index of this rank's next sample."""
-        return {"next_index": self._next}
+        """The global (unwrapped, so epochs are visible) index of this rank's next unread sample,
+        and the indices read ahead but not yet packed (``pack_lookahead``)."""
+        return {"next_index": self._next, "pending": [i for i, _, _ in self._buffer]}
 
     def load_state_dict(self, sd: dict) -> None:
         nxt = int(sd["next_index"])
@@ -192,3 +226,10 @@ class MicroBatchIterator:
             raise ValueError(f"data loader state next_index={nxt} must be >= 0")
         self._next, self._peeked = nxt, None
         self._rows = None  # workers restart at the restored index
+        # read-ahead samples are read again here, in this process (the workers start at next_index);
+        # a state from a run without lookahead has none, one from a run with it resumes its buffer
+        self._buffer = []
+        for i in sd.get("pending", []):
+            sample = self.dataset[int(i) % len(self.dataset)]
+            if sample is not None:
+                self._buffer.append((int(i), sample, self._size(sample)))

@@ -151,6 +151,10 @@ class DataConfig:
     # processes that decode/tokenise samples ahead of the trainer (0: in the training process);
     # worth it for real images (CORD), not for the mock data set
     num_workers: int = 0
+    # packing: rows are filled best-fit from the next this-many samples (the oldest always first,
+    # so none waits more than this many rows); 0 packs strictly in order. The 2B recipe's mock
+    # rows: 89.0% real tokens in order, 98.7% with 16 (scripts/bench_loader.py's pack_fill)
+    pack_lookahead: int = 16
     # pad every packed sample to a multiple of this (null: what the layout needs: 2*cp, times tp
     # under sequence parallelism); set it to compare runs of different layouts on identical rows
     pad_multiple: int | None = None
@@ -428,6 +432,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
              "data.image_mean and data.image_std need 3 values (RGB), std > 0")
     _require(d.pad_multiple is None or d.pad_multiple >= 1, "data.pad_multiple must be >= 1 or null (auto)")
     _require(d.num_workers >= 0, "data.num_workers must be >= 0 (0 reads samples in the training process)")
+    _require(d.pack_lookahead >= 0, "data.pack_lookahead must be >= 0 (0 packs samples strictly in order)")
     _require(o.lr_decay_style in ("cosine", "linear", "constant"),
              f"optimizer.lr_decay_style must be cosine|linear|constant, got {o.lr_decay_style!r}")
     _require(o.min_lr <= o.lr, f"optimizer.min_lr ({o.min_lr}) must be <= optimizer.lr ({o.lr})")

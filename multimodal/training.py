@@ -267,6 +267,7 @@ def _build_and_loop(cfg: Config, rt: Runtime, dtype: torch.dtype, mem: MemoryToo
         dataset, t.seq_length, m.pad_token_id, m.image_token_id, m.vision.spatial_merge_size,
         cfg.data.pack, t.micro_batch_size, dp_rank, dp_size, max_bad_fraction=cfg.data.max_bad_fraction,
         num_workers=cfg.data.num_workers, pad_multiple=sequence_pad_multiple(cfg),
+        pack_lookahead=cfg.data.pack_lookahead,
     )
 
     start = 0

@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     ds = build_dataset(m, cfg.data, t.seq_length)
     it = MicroBatchIterator(ds, t.seq_length, m.pad_token_id, m.image_token_id, m.vision.spatial_merge_size,
                             cfg.data.pack, t.micro_batch_size, 0, 1, max_bad_fraction=cfg.data.max_bad_fraction,
-                            num_workers=cfg.data.num_workers)
+                            num_workers=cfg.data.num_workers, pack_lookahead=cfg.data.pack_lookahead)
     next(it)  # warm-up (imports, first file reads)
     start_seen, start = it.seen, time.perf_counter()
     tokens = 0
@@ -45,6 +45,9 @@ def main(argv=None) -> int:
         "config": args.config, "data": cfg.data.name, "seq_length": t.seq_length, "rows": args.rows,
         "samples_per_s": (it.seen - start_seen) / elapsed, "rows_per_s": args.rows / elapsed,
         "row_s": elapsed / args.rows, "real_tokens_per_s": tokens / elapsed, "workers": cfg.data.num_workers,
+        # real (non-pad) share of the packed rows' tokens
+        "pack_fill": tokens / (args.rows * t.seq_length) if cfg.data.pack else None,
+        "pack_lookahead": cfg.data.pack_lookahead,
     }))
     return 0
 

@@ -44,7 +44,8 @@ def measure(config: str, overrides: list[str], dtype: torch.dtype) -> dict:
     m, t = cfg.model, cfg.train
     dataset = build_dataset(m, cfg.data, t.seq_length)
     host = next(iter(MicroBatchIterator(dataset, t.seq_length, m.pad_token_id, m.image_token_id,
-                                        m.vision.spatial_merge_size, cfg.data.pack, 1, 0, 1)))
+                                        m.vision.spatial_merge_size, cfg.data.pack, 1, 0, 1,
+                                        pack_lookahead=cfg.data.pack_lookahead)))
     batch = to_device(host, rt.device, dtype)
     rows = {}
     for modules in sweep_choices(m):

@@ -232,7 +232,56 @@ def test_loader_packs_greedily_in_shard_order(ds):
     assert lengths == shard  # nothing skipped, nothing repeated
     for b, nxt in zip(batches, batches[1:]):  # greedy: the next row's first sample did not fit
         assert b["num_real_tokens"] + nxt["sample_lengths"][0] > S
-    assert it.state_dict() == {"next_index": 2 * len(lengths)}
+    assert it.state_dict() == {"next_index": 2 * len(lengths), "pending": []}
+
+
+def _packed_indices(ds, batch, by_tokens):
+    """The dataset index of each sample in a packed row, found by its token ids."""
+    starts = batch["cu_seqlens_padded"].tolist()
+    return [by_tokens[tuple(batch["tokens"][0, a:a + n].tolist())] for a, n in zip(starts, batch["sample_lengths"])]
+
+
+def test_lookahead_packing_takes_each_sample_once_oldest_first_and_fills_rows_fuller(ds):
+    rows = 12
+    it = MicroBatchIterator(ds, S, M.pad_token_id, M.image_token_id, MERGE, True, 1, 0, 2, pack_lookahead=4)
+    by_tokens = {tuple(ds[i]["input_ids"].tolist()): i for i in range(0, 200, 2)}
+    assert len(by_tokens) == 100  # token ids identify the samples
+    packed, real = [], 0
+    for _ in range(rows):
+        b = next(it)
+        ids = _packed_indices(ds, b, by_tokens)
+        # the row opens with the oldest sample not packed yet: none waits for ever
+        assert ids[0] == min(i for i in range(0, 200, 2) if i not in packed)
+        packed += ids
+        real += b["num_real_tokens"]
+    state = it.state_dict()
+    assert len(state["pending"]) == 4
+    # every sample read is packed exactly once or still pending, in this rank's shard
+    assert sorted(packed + state["pending"]) == list(range(0, state["next_index"], 2))
+    greedy = _iterator(ds, pack=True, rank=0, dp=2)
+    assert real > sum(next(greedy)["num_real_tokens"] for _ in range(rows))
+
+
+def test_lookahead_packing_resumes_exactly_with_its_read_ahead_samples(ds):
+    def loader():
+        return MicroBatchIterator(ds, S, M.pad_token_id, M.image_token_id, MERGE, True, 1, 1, 2, pack_lookahead=5)
+
+    it = loader()
+    for _ in range(3):
+        next(it)
+    state = it.state_dict()
+    assert state["pending"] and all(i % 2 == 1 and i < state["next_index"] for i in state["pending"])
+    continued = [next(it) for _ in range(4)]
+    resumed = loader()
+    resumed.load_state_dict(state)
+    for a, b in zip(continued, [next(resumed) for _ in range(4)]):
+        _same(a, b)
+    # a state from a run with lookahead, resumed without it: the pending samples still come first
+    plain = _iterator(ds, pack=True, rank=1, dp=2)
+    plain.load_state_dict(state)
+    by_tokens = {tuple(ds[i]["input_ids"].tolist()): i for i in range(1, 201, 2)}
+    first = _packed_indices(ds, next(plain), by_tokens)
+    assert first[0] == state["pending"][0] and set(first) <= set(state["pending"])
 
 
 def test_dp_ranks_read_disjoint_samples(ds):
