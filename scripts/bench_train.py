@@ -398,6 +398,9 @@ def main(argv: list[str] | None = None) -> dict:
         "peak_tflops": __import__("multimodal.flops", fromlist=["x"]).device_peak_tflops(cfg.logging.peak_tflops),
         **{k: v for k, v in ours.items() if k != "supervised_tokens_per_window"},
         "mem_after_free_gib": torch.cuda.memory_allocated() / 2**30 if rt.is_cuda else None,
+        # real tokens / the tokens each step processes (pad included): how full the rows are
+        "real_token_fraction": ours["tokens_per_s"] * ours["step_time_s"]
+        / (cfg.train.global_batch_size * cfg.train.seq_length),
         "torch": torch.__version__,
     }
     hf_keys = ("hf_tokens_per_s", "hf_tflops_per_gpu", "hf_mfu", "hf_peak_mem_gib", "hf_step_time_s")
@@ -463,7 +466,8 @@ def _summary(r: dict) -> None:
           file=sys.stderr)
     print(f"  ours: {f(r['step_time_s'], '.3f')} s/step  {f(r['tokens_per_s'], ',.0f')} tokens/s  "
           f"{f(r['tflops_per_gpu'], '.1f')} TFLOP/s  MFU {f(r['mfu'], '.1%')} (peak {r['peak_tflops']})  "
-          f"peak mem {f(r['peak_mem_gib'], '.1f')} GiB", file=sys.stderr)
+          f"peak mem {f(r['peak_mem_gib'], '.1f')} GiB  real tokens {f(r.get('real_token_fraction'), '.1%')} "
+          "of the rows", file=sys.stderr)
     if r.get("graph_captures_in_timed_steps"):
         print(f"        ({r['graph_captures_in_timed_steps']} CUDA graph capture(s) inside the timed steps: "
               "a longer --warmup leaves them out)", file=sys.stderr)
