@@ -343,7 +343,8 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
                 _emit(pending, peak, sink, result)
                 pending = None
             if it % cfg.logging.interval == 0 or it == t.iters:
-                pending = _start_log(it, report, grad_norm, scheduler, window, clock, model, rt)
+                pending = _start_log(it, report, grad_norm, scheduler, window, clock, model, rt,
+                                     t.global_batch_size * t.seq_length)
                 report = torch.zeros_like(report)  # the pending log holds the old one
                 window = _Window()
             if ck.dir and ((ck.interval and it % ck.interval == 0) or (it == t.iters and ck.save_at_end)):
@@ -352,6 +353,15 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
             result.last_iteration = it
         if pending is not None:
             _emit(pending, peak, sink, result)
+    except BaseException:
+        # keep the last log line of a run that fails one step later; with several ranks its
+        # reductions may wait on a peer that is gone, so only alone
+        if pending is not None and dist.get_world_size() == 1:
+            try:
+                _emit(pending, peak, sink, result)
+            except Exception:  # noqa: BLE001 - the original error matters more
+                log.warning("could not write the metrics of step %d", pending.it)
+        raise
     finally:
         profiler.close()  # a run that stops inside the window still writes its profile
     sink.close()
@@ -416,7 +426,8 @@ class _PendingLog:
     clock: _StepClock
 
 
-def _start_log(it, report, grad_norm, scheduler, window: _Window, clock: _StepClock, model, rt: Runtime) -> _PendingLog:
+def _start_log(it, report, grad_norm, scheduler, window: _Window, clock: _StepClock, model, rt: Runtime,
+               processed_per_step: int) -> _PendingLog:
     """Queue this log step's reductions (collectives and norms) on the device; read nothing back."""
     dp_group = ps.get_data_parallel_group()
     # Every pipeline stage of a DP replica reads the same micro-batches, so tokens and FLOPs are
@@ -430,7 +441,8 @@ def _start_log(it, report, grad_norm, scheduler, window: _Window, clock: _StepCl
     totals = torch.cat([report.double(), torch.tensor([window.tokens, window.flops], dtype=torch.float64,
                                                       device=report.device)])
     dist.all_reduce(totals, group=dp_group)  # loss and tokens of the whole data-parallel batch
-    host = {"lr": scheduler.get_lr(scheduler.optimizer.param_groups[0]), "steps": window.steps}
+    host = {"lr": scheduler.get_lr(scheduler.optimizer.param_groups[0]), "steps": window.steps,
+            "processed_tokens": window.steps * processed_per_step}
     if _graphs_of(model):  # micro-batches that ran eager layers instead (logged once per reason)
         host["cuda_graph_eager_batches"] = sum(sum(g.eager_batches.values()) for g in _graphs_of(model))
         host["cuda_graph_captures"] = sum(g.captures for g in _graphs_of(model))
@@ -468,6 +480,8 @@ def _emit(p: _PendingLog, peak, sink: MetricsSink, result: TrainResult) -> None:
         "step_time_s": elapsed / max(p.host["steps"], 1),
         "supervised_tokens": int(totals[1]),
         "param_norm": totals[4],
+        # real tokens / tokens processed (padding included): how full the packed rows were
+        "real_token_fraction": totals[2] / max(p.host["processed_tokens"], 1),
     }
     metrics.update({k: v for k, v in p.host.items() if k.startswith("cuda_graph")})
     result.losses[p.it] = metrics["loss"]

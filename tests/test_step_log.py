@@ -38,3 +38,35 @@ def test_cpu_step_clock_windows_are_consecutive():
     second = clock.mark()
     assert first[1] == second[0]  # no time between windows goes uncounted
     assert clock.seconds(*second) >= 0.02
+
+
+def test_a_failing_run_still_writes_the_last_log_step(tmp_path, monkeypatch):
+    """Log lines are written one step late; a run that fails in the step after a log step must
+    not lose that line (single process: nothing can hang on a peer)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = f"""
+import sys
+sys.path.insert(0, {str(root)!r})
+import multimodal.training as tr
+real = tr._Window.add
+def add(self, batches, model_cfg):
+    if self.steps == 0 and getattr(add, "calls", 0) == 2:
+        raise RuntimeError("boom in step 3")
+    add.calls = getattr(add, "calls", 0) + 1
+    return real(self, batches, model_cfg)
+tr._Window.add = add
+from multimodal.config import load_config
+cfg = load_config("configs/qwen35_vl_proxy.yaml", ["train.iters=4", "logging.interval=1", "logging.dir={tmp_path}",
+    "logging.tensorboard=false", "logging.progress_bar=false", "checkpoint.dir=null", "train.seq_length=256",
+    "data.max_image_side=64"])
+tr.train(cfg)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0 and "boom in step 3" in proc.stderr
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]  # step 2's line, read after step 3 began, is there

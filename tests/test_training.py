@@ -48,6 +48,8 @@ def test_proxy_recipe_loss_falls_and_metrics_are_complete(tmp_path):
     for key in ("step", "loss", "grad_norm", "lr", "tokens_per_s", "tflops_per_gpu", "mfu", "mem_peak_gib"):
         assert key in rows[30]
     assert rows[30]["tokens_per_s"] > 0 and rows[30]["tflops_per_gpu"] > 0
+    # real tokens over processed ones: the row's padding shows, and only real tokens count
+    assert 0.5 < rows[30]["real_token_fraction"] <= 1.0
     assert (tmp_path / "ck" / "latest").read_text() == "iter_0000030"
     assert list((tmp_path / "tensorboard").iterdir())
 
