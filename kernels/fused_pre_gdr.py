@@ -103,26 +103,22 @@ if triton is not None:
         return configs if autotuning() else configs[:1]
 
     @triton.jit
-    def _sample_bounds(cu_ptr, n_cu, s, S, VARLEN: tl.constexpr, CU_STEPS: tl.constexpr):
-        """[start, end) of the sample holding each token s (whole row without cu_seqlens).
+    def _sample_bounds(cu_ptr, n_cu, s, S, CU_STEPS: tl.constexpr):
+        """[start, end) of the sample holding each token s of a packed row.
 
         A binary search per token for the last offset <= s: CU_STEPS = log2 of the bucketed offset
         count loads per token. (Comparing every token with every offset cost as much as the
         kernels' own work once CUDA graphs padded cu_seqlens to 66 offsets: _pre_gdr_fwd went
         from 3.0 to 6.1 ms per 2B step, docs/benchmarks/README.md session 6.)"""
-        if VARLEN:
-            lo = tl.zeros_like(s)  # cu[lo] <= s holds throughout (cu[0] = 0)
-            hi = tl.zeros_like(s) + (n_cu - 1)
-            for _ in tl.static_range(CU_STEPS):
-                mid = (lo + hi + 1) // 2
-                go = tl.load(cu_ptr + mid).to(tl.int64) <= s
-                lo = tl.where(go, mid, lo)
-                hi = tl.where(go, hi, mid - 1)
-            start = tl.load(cu_ptr + lo).to(tl.int64)
-            end = tl.load(cu_ptr + lo + 1, mask=lo + 1 < n_cu, other=S).to(tl.int64)
-        else:
-            start = tl.zeros_like(s)
-            end = tl.zeros_like(s) + S
+        lo = tl.zeros_like(s)  # cu[lo] <= s holds throughout (cu[0] = 0)
+        hi = tl.zeros_like(s) + (n_cu - 1)
+        for _ in tl.static_range(CU_STEPS):
+            mid = (lo + hi + 1) // 2
+            go = tl.load(cu_ptr + mid).to(tl.int64) <= s
+            lo = tl.where(go, mid, lo)
+            hi = tl.where(go, hi, mid - 1)
+        start = tl.load(cu_ptr + lo).to(tl.int64)
+        end = tl.load(cu_ptr + lo + 1, mask=lo + 1 < n_cu, other=S).to(tl.int64)
         return start, end
 
     @triton.jit(do_not_specialize=["S", "n_cu"])
@@ -132,7 +128,7 @@ if triton is not None:
         program repeating a CU_STEPS-long chain of dependent loads, which bound them by latency."""
         s = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
         m = s < S
-        start, end = _sample_bounds(cu_ptr, n_cu, s, S, True, CU_STEPS)
+        start, end = _sample_bounds(cu_ptr, n_cu, s, S, CU_STEPS)
         tl.store(bnd_ptr + s, start.to(tl.int32), mask=m)
         tl.store(bnd_ptr + S + s, end.to(tl.int32), mask=m)
 

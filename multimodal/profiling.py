@@ -117,10 +117,13 @@ class _Launchers:
             if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "python_function"):
                 self.spans[e.get("tid", 0)].append((e["ts"], e["ts"] + e["dur"], str(e["name"])))
 
+    def _launch_of(self, kernel: dict) -> dict | None:
+        return self.launch.get(kernel.get("args", {}).get("correlation"))
+
     def chain(self, kernel: dict) -> list[str]:
         """The host spans enclosing the kernel's launch, outermost first: with
         ``logging.profile_with_stack`` these include the Python frames, i.e. which code launched it."""
-        launch = self.launch.get(kernel.get("args", {}).get("correlation"))
+        launch = self._launch_of(kernel)
         if launch is None:
             return []
         ts = launch["ts"]
@@ -128,11 +131,11 @@ class _Launchers:
         return [name for _, _, name in sorted(inside)]
 
     def launch_ts(self, kernel: dict) -> float | None:
-        launch = self.launch.get(kernel.get("args", {}).get("correlation"))
+        launch = self._launch_of(kernel)
         return None if launch is None else launch["ts"]
 
     def op_of(self, kernel: dict) -> str:
-        launch = self.launch.get(kernel.get("args", {}).get("correlation"))
+        launch = self._launch_of(kernel)
         if launch is None or launch.get("tid", 0) not in self.top:
             return "(launch not in trace)"
         starts, top = self.top[launch.get("tid", 0)]
@@ -143,17 +146,15 @@ class _Launchers:
 
 
 def _idle_gaps(mine: list[dict], launchers: _Launchers, top_n: int,
-               busy_until: float | None = None) -> tuple[float, list[dict], list[dict]]:
+               busy_until: float) -> tuple[float, list[dict], list[dict]]:
     """GPU idle stretches over GAP_US between a step's kernels (and from ``busy_until``, where the
     step's device time starts, to its first kernel), each charged to the host op that launched
     the kernel ending it: what the GPU was waiting for the host to get to. Also the LONGEST_GAPS
     longest ones, each with the kernels around it and the launch's call chain."""
     by_op: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    total, prev, found = 0.0, None, []
-    if busy_until is not None:
-        prev = {"name": "(the step's start)"}
+    total, prev, found = 0.0, {"name": "(the step's start)"}, []
     for k in sorted(mine, key=lambda k: k["ts"]):
-        if busy_until is not None and k["ts"] - busy_until > GAP_US:
+        if k["ts"] - busy_until > GAP_US:
             gap = k["ts"] - busy_until
             agg = by_op[launchers.op_of(k)]
             agg[0] += gap
@@ -161,7 +162,7 @@ def _idle_gaps(mine: list[dict], launchers: _Launchers, top_n: int,
             total += gap
             found.append((gap, prev, k))
         end = k["ts"] + k["dur"]
-        busy_until = end if busy_until is None else max(busy_until, end)
+        busy_until = max(busy_until, end)
         prev = k
     top = sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top_n]
     longest = [{"us": gap, "after": p["name"], "before": k["name"], "chain": launchers.chain(k)}

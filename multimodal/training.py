@@ -345,7 +345,7 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
             if it % cfg.logging.interval == 0 or it == t.iters:
                 pending = _start_log(it, report, grad_norm, scheduler, window, clock, model, rt,
                                      t.global_batch_size * t.seq_length)
-                report = torch.zeros_like(report)  # the pending log holds the old one
+                report.zero_()  # (queued after the copies _start_log made of it)
                 window = _Window()
             if ck.dir and ((ck.interval and it % ck.interval == 0) or (it == t.iters and ck.save_at_end)):
                 checkpointing.save(ck.dir, it, model, optimizer, scheduler, batches.state_dict(), ck.keep_last,
