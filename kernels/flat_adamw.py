@@ -71,7 +71,7 @@ if triton is not None:
     @triton.jit
     def _flat_adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, starts_ptr, state_starts_ptr, lengths_ptr, scale_ptr,
                            lr, wd, beta1, beta2, eps, step_size, bc2_sqrt,
-                           HAS_SCALE: tl.constexpr, WRITE_OUT: tl.constexpr,
+                           HAS_SCALE: tl.constexpr, WRITE_OUT: tl.constexpr, ZERO_GRAD: tl.constexpr,
                            BLOCK: tl.constexpr, CHUNK: tl.constexpr):
         pid = tl.program_id(0)
         start = tl.load(starts_ptr + pid)  # gradient and output
@@ -102,10 +102,12 @@ if triton is not None:
             tl.store(v_ptr + sp, v, mask=mask)
             if WRITE_OUT:
                 tl.store(out_ptr + ptr, p.to(out_ptr.dtype.element_ty), mask=mask)
+            if ZERO_GRAD:  # the next step accumulates into it (replaces the separate zeroing pass)
+                tl.store(g_ptr + ptr, tl.zeros([BLOCK], dtype=g_ptr.dtype.element_ty), mask=mask)
 
 
 def flat_adamw_reference(param, grad, exp_avg, exp_avg_sq, out, starts, state_starts, lengths, *, lr,
-                         weight_decay, beta1, beta2, eps, step, grad_scale=None):
+                         weight_decay, beta1, beta2, eps, step, grad_scale=None, zero_grad=False):
     """The same update in plain PyTorch, chunk by chunk (CPU tests and the kernel's check)."""
     step_size, bc2_sqrt = _scalars(lr, beta1, beta2, step)
     for start, state_start, n in zip(starts.tolist(), state_starts.tolist(), lengths.tolist()):
@@ -120,22 +122,26 @@ def flat_adamw_reference(param, grad, exp_avg, exp_avg_sq, out, starts, state_st
         p.sub_(step_size * m / (v.sqrt() / bc2_sqrt + eps))
         if out is not None:
             out[sl].copy_(p)
+        if zero_grad:
+            grad[sl].zero_()
 
 
 def flat_adamw(param, grad, exp_avg, exp_avg_sq, out, starts, state_starts, lengths, *, lr, weight_decay, beta1, beta2,
-               eps, step, grad_scale=None, use_kernel: bool = True, block: int = BLOCK, chunk: int = CHUNK,
-               num_warps: int = 8):
+               eps, step, grad_scale=None, zero_grad: bool = False, use_kernel: bool = True, block: int = BLOCK,
+               chunk: int = CHUNK, num_warps: int = 8):
     """One AdamW step over the chunks of ``chunk_table``: the flat fp32 ``param``, ``exp_avg``,
     ``exp_avg_sq`` (updated in place, at ``state_starts``) with gradients ``grad`` (fp32 or bf16,
     flat, at ``starts``); writes the new parameters to ``out`` (flat, any float dtype, at
     ``starts``) unless it is None. ``grad_scale``:
-    None or a one-element device tensor the gradients are divided by. ``step``: the step being
+    None or a one-element device tensor the gradients are divided by. ``zero_grad``: write zeros over
+    the gradients read (multimodal/overlap_update.py: the step then needs no separate zeroing pass,
+    which would have to wait for it). ``step``: the step being
     taken, counting from 1. ``chunk`` must be the one the table was built with; ``block`` and
     ``num_warps`` are the launch shape (scripts/bench_adamw.py sweeps them)."""
     if not use_kernel:
         return flat_adamw_reference(param, grad, exp_avg, exp_avg_sq, out, starts, state_starts, lengths, lr=lr,
                                     weight_decay=weight_decay, beta1=beta1, beta2=beta2, eps=eps, step=step,
-                                    grad_scale=grad_scale)
+                                    grad_scale=grad_scale, zero_grad=zero_grad)
     for t in (param, exp_avg, exp_avg_sq):
         if t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError("flat_adamw: param, exp_avg and exp_avg_sq must be contiguous fp32 buffers")
@@ -146,4 +152,4 @@ def flat_adamw(param, grad, exp_avg, exp_avg_sq, out, starts, state_starts, leng
         param, grad, exp_avg, exp_avg_sq, out if out is not None else param, starts, state_starts, lengths,
         grad_scale if grad_scale is not None else param,
         float(lr), float(weight_decay), float(beta1), float(beta2), float(eps), float(step_size), float(bc2_sqrt),
-        HAS_SCALE=grad_scale is not None, WRITE_OUT=out is not None, BLOCK=block, CHUNK=chunk, num_warps=num_warps)
+        HAS_SCALE=grad_scale is not None, WRITE_OUT=out is not None, ZERO_GRAD=zero_grad, BLOCK=block, CHUNK=chunk, num_warps=num_warps)

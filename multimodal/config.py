@@ -237,6 +237,12 @@ class OptimizerConfig:
     # fused AdamW plus megatron's per-parameter copy. null: on with a CUDA device and Triton; true
     # elsewhere runs its PyTorch reference (slow; for tests). Also under the distributed optimizer.
     flat: bool | None = None
+    # Flat AdamW's step on a second CUDA stream, behind the next step's forward: each layer waits
+    # only for its own parameters, the backward for all (multimodal/overlap_update.py). Same
+    # update bit for bit. null: on where flat AdamW runs its kernel on a GPU (not under the
+    # distributed optimizer); true on the CPU runs the same parts in order (tests).
+    overlap_step: bool | None = None
+    overlap_step_pieces: int = 16  # parts the update is cut into, in forward order
 
 
 @dataclass
@@ -391,6 +397,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         ("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp), ("parallel.ep", p.ep),
         ("logging.interval", cfg.logging.interval), ("model.num_layers", m.num_layers),
         ("model.hidden_size", m.hidden_size), ("model.full_attention_interval", m.full_attention_interval),
+        ("optimizer.overlap_step_pieces", o.overlap_step_pieces),
     ]:
         _require(value >= 1, f"{name} must be >= 1, got {value}")
     _require(cfg.checkpoint.interval >= 0, "checkpoint.interval must be >= 0 (0 = only at the end)")
@@ -436,6 +443,12 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _require(o.lr_decay_style in ("cosine", "linear", "constant"),
              f"optimizer.lr_decay_style must be cosine|linear|constant, got {o.lr_decay_style!r}")
     _require(o.min_lr <= o.lr, f"optimizer.min_lr ({o.min_lr}) must be <= optimizer.lr ({o.lr})")
+    _require(not (o.overlap_step and o.flat is False),
+             "optimizer.overlap_step=true runs flat AdamW's kernel on a second stream: set optimizer.flat to "
+             "true or null, or optimizer.overlap_step to false or null")
+    _require(not (o.overlap_step and p.use_distributed_optimizer),
+             "optimizer.overlap_step=true: the distributed optimizer all-gathers the parameters right after "
+             "its step, so the step cannot run behind the next forward; set optimizer.overlap_step=null or false")
     _require(cfg.checkpoint.load != "latest" or cfg.checkpoint.dir is not None,
              "checkpoint.load=latest needs checkpoint.dir")
 

@@ -83,6 +83,9 @@ class FlatAdamW:
         megatron all-gathers it)."""
         self.adam = adam
         self.use_kernel = use_kernel
+        self.params = params
+        self.sharded = sharded
+        self.overlap = None  # multimodal/overlap_update.py: the step runs behind the next forward
         self.model_params_fresh = False
         device = params[0].main.device
         self.count = 0
@@ -178,15 +181,35 @@ class FlatAdamW:
         self.count += 1
         self.step_tensor.fill_(float(self.count))
         grad_scale = getattr(self.adam, "grad_scale", None)
-        for fb in self.flat.values():
-            for group_index, (starts, state_starts, lengths) in fb.tables.items():
-                group = self.adam.param_groups[group_index]
-                beta1, beta2 = group["betas"]
-                flat_adamw(fb.main, fb.grad, fb.exp_avg, fb.exp_avg_sq, fb.out, starts, state_starts, lengths,
-                           lr=float(group["lr"]), weight_decay=float(group["weight_decay"]), beta1=beta1,
-                           beta2=beta2, eps=group["eps"], step=self.count, grad_scale=grad_scale,
-                           use_kernel=self.use_kernel)
+        if self.overlap is not None:  # in pieces, in forward order, on the update stream
+            self.overlap.run(self, grad_scale)
+        else:
+            for fb in self.flat.values():
+                for group_index, table in fb.tables.items():
+                    self.update(fb, group_index, table, grad_scale)
         self.model_params_fresh = any(fb.out is not None for fb in self.flat.values())
+
+    def update(self, fb: _FlatBuffer, group_index: int, table: tuple, grad_scale, zero_grad: bool = False) -> None:
+        """One kernel launch: the chunks of ``table`` (in ``fb``'s index spaces) with group ``group_index``'s
+        hyper-parameters, at the step count already advanced by ``step``."""
+        group = self.adam.param_groups[group_index]
+        beta1, beta2 = group["betas"]
+        flat_adamw(fb.main, fb.grad, fb.exp_avg, fb.exp_avg_sq, fb.out, *table,
+                   lr=float(group["lr"]), weight_decay=float(group["weight_decay"]), beta1=beta1,
+                   beta2=beta2, eps=group["eps"], step=self.count, grad_scale=grad_scale,
+                   zero_grad=zero_grad, use_kernel=self.use_kernel)
+
+    def piece_tables(self, piece_of: dict, pieces: int) -> list[list[tuple]]:
+        """The work split into ``pieces`` parts: per part, [(flat buffer, group index, chunk table)].
+        ``piece_of``: parameter -> its part (parameters not in it go to part 0)."""
+        segments: list[dict] = [{} for _ in range(pieces)]
+        for p in self.params:
+            fb = self.flat[id(p.buffer)]
+            part = segments[piece_of.get(p.model, 0)]
+            part.setdefault((id(fb), p.group), (fb, []))[1].append((p.start, p.state_start, p.numel))
+        device = self.params[0].main.device
+        return [[(fb, group, chunk_table(sorted(segs), device)) for (_, group), (fb, segs) in part.items()]
+                for part in segments]
 
 
 def _why_not(megatron_opt, adam) -> str | None:

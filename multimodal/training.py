@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from data.loader import MicroBatchIterator, build_dataset
 from data.prefetch import Prefetcher
 from models import get_model_builder
-from multimodal import checkpointing, flat_adamw, multi_tensor, platform
+from multimodal import checkpointing, flat_adamw, multi_tensor, overlap_update, platform
 from multimodal.config import Config, ConfigError, resolve_sources, validate
 from multimodal.flops import device_peak_tflops, training_flops
 from multimodal.forward_step import ForwardStep
@@ -119,6 +120,9 @@ def build_model_and_optimizer(cfg: Config, rt: Runtime, dtype: torch.dtype):
         if o.defer_grad_scaling:
             multi_tensor.defer_grad_scaling(optimizer, [ddp])
     flat_adamw.install(optimizer, [ddp], o.flat)  # before any step: the graphs capture param addresses
+    # the vision encoder replays all its blocks as one graph: its parameters are gated as one unit
+    opaque = [model.vision_model] if getattr(model, "vision_graphs", None) is not None else []
+    overlap_update.install(model, optimizer, o.overlap_step, opaque=opaque, pieces=o.overlap_step_pieces)
     decay = o.decay_iters or cfg.train.iters
     scheduler = OptimizerParamScheduler(
         optimizer,
@@ -284,6 +288,9 @@ def _build_and_loop(cfg: Config, rt: Runtime, dtype: torch.dtype, mem: MemoryToo
     try:
         return _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microbatches, dtype, mem)
     finally:
+        overlap = getattr(optimizer, "update_overlap", None)
+        if overlap is not None:  # the last update may still run: callers read the parameters
+            overlap.close()
         for graphs in _graphs_of(model):
             graphs.close()
         multi_tensor.stop_deferring()
@@ -307,6 +314,7 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
     profiler = StepProfiler(cfg.logging, dist.get_rank(), rt.is_cuda)
     pending: _PendingLog | None = None  # the last log step's numbers, still on the device
     clock = _StepClock(rt.is_cuda)
+    overlap = getattr(optimizer, "update_overlap", None)  # the step runs behind the next forward
     try:
         for it in range(start + 1, t.iters + 1):
             profiler.begin(it)
@@ -344,10 +352,12 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
                 pending = None
             if it % cfg.logging.interval == 0 or it == t.iters:
                 pending = _start_log(it, report, grad_norm, scheduler, window, clock, model, rt,
-                                     t.global_batch_size * t.seq_length)
+                                     t.global_batch_size * t.seq_length, overlap)
                 report.zero_()  # (queued after the copies _start_log made of it)
                 window = _Window()
             if ck.dir and ((ck.interval and it % ck.interval == 0) or (it == t.iters and ck.save_at_end)):
+                if overlap is not None:
+                    overlap.finish()  # the saved parameters and moments are this step's
                 checkpointing.save(ck.dir, it, model, optimizer, scheduler, batches.state_dict(), ck.keep_last,
                                    meta_files=checkpoint_meta(cfg))
             result.last_iteration = it
@@ -424,10 +434,11 @@ class _PendingLog:
     host: dict                    # lr, CUDA-graph counters, steps in the window
     window: tuple                 # (start, end) marks of _StepClock
     clock: _StepClock
+    ready: object = None          # CUDA event after the staged copy (queued behind the update when overlapped)
 
 
 def _start_log(it, report, grad_norm, scheduler, window: _Window, clock: _StepClock, model, rt: Runtime,
-               processed_per_step: int) -> _PendingLog:
+               processed_per_step: int, overlap=None) -> _PendingLog:
     """Queue this log step's reductions (collectives and norms) on the device; read nothing back."""
     dp_group = ps.get_data_parallel_group()
     # Every pipeline stage of a DP replica reads the same micro-batches, so tokens and FLOPs are
@@ -446,21 +457,30 @@ def _start_log(it, report, grad_norm, scheduler, window: _Window, clock: _StepCl
     if _graphs_of(model):  # micro-batches that ran eager layers instead (logged once per reason)
         host["cuda_graph_eager_batches"] = sum(sum(g.eager_batches.values()) for g in _graphs_of(model))
         host["cuda_graph_captures"] = sum(g.captures for g in _graphs_of(model))
-    param_norm = _param_norm(model)  # of this step's parameters, before the next step changes them
     on_device = torch.is_tensor(grad_norm)
-    g = grad_norm.reshape(1).to(totals) if on_device else totals.new_zeros(1)
-    values = torch.cat([totals, param_norm.reshape(1).to(totals), g])
-    # not .cpu(): that waits for everything queued so far, here and again at the read below
-    staged = torch.empty(values.shape, dtype=values.dtype, pin_memory=rt.is_cuda)
-    staged.copy_(values, non_blocking=True)
+    # with the update overlapped, the parameters are final only on its stream: the norm and the
+    # copy queue there, so the compute stream does not wait for the whole update
+    with overlap.behind_update(totals, grad_norm) if overlap is not None else nullcontext():
+        param_norm = _param_norm(model)  # of this step's parameters, before the next step changes them
+        g = grad_norm.reshape(1).to(totals) if on_device else totals.new_zeros(1)
+        values = torch.cat([totals, param_norm.reshape(1).to(totals), g])
+        # not .cpu(): that waits for everything queued so far, here and again at the read below
+        staged = torch.empty(values.shape, dtype=values.dtype, pin_memory=rt.is_cuda)
+        staged.copy_(values, non_blocking=True)
+        ready = None
+        if rt.is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
     host_grad = None if on_device or grad_norm is None else float(grad_norm)
     if grad_norm is None:
         host["no_grad_norm"] = True
-    return _PendingLog(it, staged, host_grad, host, clock.mark(), clock)
+    return _PendingLog(it, staged, host_grad, host, clock.mark(), clock, ready)
 
 
 def _emit(p: _PendingLog, peak, sink: MetricsSink, result: TrainResult) -> None:
-    elapsed = p.clock.seconds(*p.window)  # waits for the window's end mark: the staged copy is done
+    elapsed = p.clock.seconds(*p.window)  # waits for the window's end mark
+    if p.ready is not None:
+        p.ready.synchronize()  # the staged copy is done (on the update stream, it may end later)
     totals = p.values.tolist()
     if p.grad_norm is not None:
         grad_norm = p.grad_norm
