@@ -39,11 +39,16 @@ for layout in ("same", "packed"):  # state at the gradient's index, or packed de
     ref_out = out.clone()
     starts, state_starts, lengths = chunk_table(table, "cpu")
     scale = torch.tensor([0.5])
+    zero = layout == "packed"  # optimizer.overlap_step: the kernel zeroes the gradients it read
     for step in (1, 2, 3):
         g = torch.randn(n)
-        flat_adamw(p, g, m, v, out, starts, state_starts, lengths, weight_decay=0.1, step=step, grad_scale=scale, **hp)
-        flat_adamw(ref[0], g, ref[1], ref[2], ref_out, starts, state_starts, lengths, weight_decay=0.1, step=step,
-                   grad_scale=scale, use_kernel=False, **hp)
+        g_ref = g.clone()
+        flat_adamw(p, g, m, v, out, starts, state_starts, lengths, weight_decay=0.1, step=step, grad_scale=scale,
+                   zero_grad=zero, **hp)
+        flat_adamw(ref[0], g_ref, ref[1], ref[2], ref_out, starts, state_starts, lengths, weight_decay=0.1, step=step,
+                   grad_scale=scale, zero_grad=zero, use_kernel=False, **hp)
+        if zero:
+            assert torch.equal(g, g_ref)
     seg = torch.zeros(n, dtype=torch.bool)
     for s0, k in segs:
         seg[s0:s0 + k] = True
@@ -54,7 +59,8 @@ for layout in ("same", "packed"):  # state at the gradient's index, or packed de
                       "v": (v - ref[2]).abs().max().item(),
                       "out_vs_param": ((out.float() - p_at_out) / p_at_out.abs())[seg].abs().max().item(),
                       "out_vs_reference": (out.float() - ref_out.float())[seg].abs().max().item(),
-                      "padding_untouched": bool((out[100:128] == 7).all() and (out[~seg] == 7).all())}
+                      "padding_untouched": bool((out[100:128] == 7).all() and (out[~seg] == 7).all()),
+                      "grad_zeroed": bool(not g[seg].any()), "grad_padding_kept": bool(g[~seg].all())}
 print(json.dumps(result))
 """
 
@@ -73,6 +79,8 @@ def test_triton_kernel_matches_its_reference_in_the_interpreter():
         assert got["out_vs_param"] <= 2.0 ** -7, (layout, got)
         assert got["out_vs_reference"] <= 0.05, (layout, got)  # written where the reference writes
         assert got["padding_untouched"], (layout, got)
+        # only where it updated, and only when asked
+        assert got["grad_zeroed"] == (layout == "packed") and got["grad_padding_kept"], (layout, got)
 
 
 def test_reference_equals_torch_adamw_per_parameter():

@@ -49,15 +49,20 @@ def test_the_update_in_parts_equals_the_whole_update_bit_for_bit(mcore):
     ref_model, ref_ddp, ref_opt, _ = _megatron_optimizer(flat=True)
     model, ddp, opt, (flat,) = _megatron_optimizer(flat=True)
     overlap = overlap_update.install(model, opt, True, pieces=4)
-    assert overlap is not None and flat.overlap is overlap and overlap.stream is None  # CPU: in order
+    assert overlap is not None and flat.overlap is overlap
+    assert (overlap.stream is None) == (not torch.cuda.is_available())  # CPU: the parts run in order
     cfg, _ = proxy_model()
     rows = packed_rows(cfg)
     ref_losses = _train_steps(ref_model, ref_ddp, ref_opt, rows)
     losses = _train_steps(model, ddp, opt, rows)
+    overlap.finish()  # on a GPU the update may still run on its stream
+    # bit for bit on the CPU; on a GPU the backward's atomics differ run to run (the race check
+    # there is scripts/check_overlap_update_gpu.py)
+    tol = dict(rtol=1e-4, atol=1e-6) if torch.cuda.is_available() else dict(rtol=0, atol=0)
     for a, b in zip(losses, ref_losses):
-        assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, **tol)
     for (name, a), (_, b) in zip(sorted(model.named_parameters()), sorted(ref_model.named_parameters())):
-        assert torch.equal(a, b), name
+        torch.testing.assert_close(a, b, **tol, msg=name)
 
     # the plan follows the forward: the vision encoder's parts come before the decoder's, each
     # layer's part is not before the previous layer's, and there is more than one part
