@@ -244,7 +244,9 @@ def install(model: torch.nn.Module, optimizer, requested: bool | None, opaque=()
     if why is not None:
         (log.warning if requested or on_gpu else log.info)("optimizer.overlap_step: off (%s)", why)
         return None
-    stream = torch.cuda.Stream(device=flats[0].params[0].main.device) if on_gpu else None
+    # lowest priority: the update fills what the compute stream leaves free (the graphs' compute
+    # stream has high priority; the default stream shares this one's)
+    stream = torch.cuda.Stream(device=flats[0].params[0].main.device, priority=0) if on_gpu else None
     overlap = UpdateOverlap(model, flats, stream, pieces=pieces, opaque=opaque)
     optimizer.update_overlap = overlap
     return overlap

@@ -333,6 +333,33 @@ def recompute_sweep(args, out_dir: str, forced: list[str], rt) -> dict:
     return out
 
 
+# ------------------------------------------------------------------ A/B runs
+
+
+def ab_runs(args, out_dir: str, forced: list[str], rt) -> dict:
+    """For each --ab override set: ours with it (B), then ours as given again (A), fresh models,
+    in this process. With the main run that makes A, B, A: a drift (clocks, caches) shows as A != A."""
+    from multimodal.config import load_config, resolve_sources
+
+    out = {}
+    for i, spec in enumerate(args.ab):
+        extra = [kv for kv in spec.split(",") if kv]
+        rows = {}
+        for name, overrides in (("b", extra), ("a_again", [])):
+            cfg = load_config(args.config, [f"logging.dir={Path(out_dir) / f'ab{i}_{name}'}", *args.overrides,
+                                            *overrides, *forced])
+            resolve_sources(cfg)
+            gc.collect()
+            if rt.is_cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            r = run_ours(cfg, args.warmup, args.steps)
+            rows[name] = {k: r[k] for k in ("step_time_s", "tokens_per_s", "mfu", "peak_mem_gib", "loss_last")}
+            log.info("ab %s %s: %.4f s/step", spec, name, r["step_time_s"])
+        out[spec] = rows
+    return out
+
+
 # ------------------------------------------------------------------ main
 
 
@@ -347,6 +374,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--hf-feed", choices=("row", "samples"), default="row")
     ap.add_argument("--recompute-sweep", action="store_true",
                     help="also run ours once per train.recompute_modules choice and report peak memory / speed")
+    ap.add_argument("--ab", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                    help="after ours, run ours again with these overrides, then as given again (A, B, A in one "
+                         "process, so caches and autotuning are shared); repeatable")
     ap.add_argument("--hf-gdn", choices=("auto", "fla", "torch"), default="auto",
                     help="transformers' GDN kernels: fla when importable on CUDA (auto), or its PyTorch path")
     args = ap.parse_intermixed_args(argv)  # overrides may come before or after the options
@@ -381,6 +411,7 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = resolve_dtype(cfg.train.precision, rt)
 
     ours = run_ours(cfg, args.warmup, args.steps)
+    ab = ab_runs(args, out_dir, forced, rt) if args.ab else None
     gc.collect()
     if rt.is_cuda:
         torch.cuda.synchronize()
@@ -403,6 +434,8 @@ def main(argv: list[str] | None = None) -> dict:
         / (cfg.train.global_batch_size * cfg.train.seq_length),
         "torch": torch.__version__,
     }
+    if ab is not None:
+        result["ab"] = ab
     hf_keys = ("hf_tokens_per_s", "hf_tflops_per_gpu", "hf_mfu", "hf_peak_mem_gib", "hf_step_time_s")
     result.update({k: None for k in hf_keys})
     result["speedup_vs_hf"] = None
@@ -479,6 +512,10 @@ def _summary(r: dict) -> None:
         print(f"  ours / HF tokens/s: {r['speedup_vs_hf']:.2f}x", file=sys.stderr)
     elif r.get("hf_error"):
         print(f"  HF: {r['hf_error']}", file=sys.stderr)
+    for spec, rows in (r.get("ab") or {}).items():
+        print(f"  A/B {spec}: A {r['step_time_s']:.4f}, B {rows['b']['step_time_s']:.4f}, A again "
+              f"{rows['a_again']['step_time_s']:.4f} s/step (B peak mem {rows['b']['peak_mem_gib']:.1f} GiB)",
+              file=sys.stderr)
     for name, row in (r.get("recompute_sweep") or {}).items():
         print(f"  recompute {name:45s} peak {row['peak_mem_gib']:7.2f} GiB (saves {row['saved_gib']:6.2f})  "
               f"{row['step_time_s']:.3f} s/step", file=sys.stderr)

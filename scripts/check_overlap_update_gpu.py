@@ -12,8 +12,8 @@ kernel, metrics every step, so the log steps' parameter norm also runs behind th
 - ``unguarded_delayed``: the same with the layers' waits switched off (only the wait before the
   backward kept): the race the hooks prevent. It must differ from ``plain`` by far more than the
   noise, or this check could not see a race at all;
-then the delayed overlap again in bf16 and with CUDA graphs (decoder layers and vision encoder),
-each against its own ``plain``. Pass: every guarded run within 4x the noise of its ``plain``
+per suite (``--suites``: fp32, bf16, bf16 with CUDA graphs), each against its own ``plain``; the
+first suite also runs ``unguarded_delayed``. Pass: every guarded run within 4x the noise of its ``plain``
 (floor 1e-6 relative) in loss and parameter norm at every step, the unguarded one beyond it.
 """
 
@@ -85,21 +85,28 @@ def main() -> int:
     ap.add_argument("--config", default="configs/qwen35_vl_proxy.yaml")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--suites", default="bf16,bf16_graphs",
+                    help="comma list of fp32, bf16, bf16_graphs; the first also runs the unguarded variant")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("check_overlap_update_gpu: needs a GPU (the overlap is a second CUDA stream)", file=sys.stderr)
         return 2
     base = list(args.overrides)
-    suites = {
+    known = {
         "fp32": base + ["train.precision=fp32"],
         "bf16": base + ["train.precision=bf16"],
         "bf16_graphs": base + ["train.precision=bf16", "train.cuda_graphs=true"],
     }
+    names = args.suites.split(",")
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        ap.error(f"unknown suite(s) {unknown}; choose from {sorted(known)}")
+    suites = {n: known[n] for n in names}
     result, ok = {"config": args.config, "steps": args.steps, "device": torch.cuda.get_device_name()}, True
     for name, overrides in suites.items():
         try:
-            suite = run_suite(name, args.config, overrides, args.steps)
+            suite = run_suite(name, args.config, overrides, args.steps, unguarded=name == names[0])
         except Exception as exc:  # noqa: BLE001 - report it and go on with the next suite
             suite = {"passed": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
         ok = ok and suite["passed"]
@@ -111,7 +118,7 @@ def main() -> int:
     return 0 if ok else 1
 
 
-def run_suite(name: str, config: str, overrides: list[str], steps: int) -> dict:
+def run_suite(name: str, config: str, overrides: list[str], steps: int, unguarded: bool) -> dict:
     on, off = ["optimizer.overlap_step=true"], ["optimizer.overlap_step=false"]
     plain = train_variant(config, overrides + off, steps)
     again = train_variant(config, overrides + off, steps)
@@ -122,7 +129,7 @@ def run_suite(name: str, config: str, overrides: list[str], steps: int) -> dict:
     suite["overlap_delayed"] = rel_diff(guarded, plain)
     suite["overlap_rows"] = guarded
     passed = suite["overlap_delayed"] <= bound
-    if name == "fp32":
+    if unguarded:
         unguarded = train_variant(config, overrides + on, steps, delay=True, guarded=False)
         suite["unguarded_delayed"] = rel_diff(unguarded, plain)
         suite["race_visible"] = suite["unguarded_delayed"] > bound

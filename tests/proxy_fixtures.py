@@ -25,12 +25,12 @@ def proxy_model(overrides=(), config: str = PROXY):
     return cfg, get_model_builder(cfg.model.name)(cfg.model, cfg.parallel, torch.float32)
 
 
-def packed_rows(cfg, groups=((0, 1),)) -> list[dict]:
+def packed_rows(cfg, groups=((0, 1),), device="cpu") -> list[dict]:
     """One packed row of ROW tokens per group of mock-sample indices."""
     m = cfg.model
     ds = MockDataset(m, cfg.data, 256)
     return [to_device(pack_thd([ds[i] for i in idx], ROW, m.pad_token_id, m.image_token_id,
-                               m.vision.spatial_merge_size), torch.device("cpu"), torch.float32)
+                               m.vision.spatial_merge_size), torch.device(device), torch.float32)
             for idx in groups]
 
 

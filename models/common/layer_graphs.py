@@ -460,9 +460,10 @@ def use_side_stream() -> torch.cuda.Stream:
     on the stream where megatron's DDP created its gradient accumulator nodes (autograd syncs a
     node's stream with its producer's; across streams that wait breaks the capture). So the
     whole training runs on one side stream and the graphs are captured on it. Returns the stream
-    that was current before, to restore when training ends."""
+    that was current before, to restore when training ends. The stream has high priority: work
+    queued on other streams (optimizer.overlap_step's update) takes only what it leaves free."""
     previous = torch.cuda.current_stream()
-    torch.cuda.set_stream(torch.cuda.Stream())
+    torch.cuda.set_stream(torch.cuda.Stream(priority=-1))
     return previous
 
 
