@@ -52,7 +52,14 @@ def test_bench_train_runs_both_frameworks_on_cpu(tmp_path, feed):
 
 @pytest.mark.slow
 def test_bench_train_skip_hf(tmp_path):
-    res, _ = _bench(tmp_path, "--warmup", "0", "--steps", "1", "--skip-hf", "--recompute-sweep")
+    spec = "optimizer.flat=true,optimizer.overlap_step=true"
+    res, proc = _bench(tmp_path, "--warmup", "0", "--steps", "1", "--skip-hf", "--recompute-sweep", "--ab", spec)
+    # --ab: B (the overrides) and A again, each a fresh model on the same batches: the first
+    # step's loss (before any update) is the same in all three
+    ab = res["ab"][spec]
+    assert set(ab) == {"b", "a_again"} and f"A/B {spec}" in proc.stderr
+    for row in ab.values():
+        assert _positive(row["step_time_s"]) and row["loss_last"] == res["loss_last"]
     for key in ("tokens_per_s", "tflops_per_gpu", "mfu", "peak_mem_gib"):
         assert _positive(res[key]), (key, res[key])
     assert res["hf_tokens_per_s"] is None and res["speedup_vs_hf"] is None
