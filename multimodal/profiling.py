@@ -6,7 +6,8 @@ summarized) on the ranks in ``logging.profile_ranks`` and writes, under ``<loggi
 
 - ``trace_rank{r}.json.gz``: the full timeline (open in https://ui.perfetto.dev or
   chrome://tracing; TensorBoard's profiler plugin reads it too);
-- ``kernels_rank{r}.txt`` / ``.json``: per profiled step, the device time by kernel (top N) and
+- ``kernels_rank{r}.txt`` / ``.json``: per profiled step, the device time by kernel (top N, each
+  with its top launch sites: which code to change to remove it) and
   by category (GEMM, attention, linear attention, NCCL, optimizer, elementwise, ...), and how
   much of the wall time the GPU was busy at all (the rest is launch overhead, host syncs or
   data waits), and the GPU's idle gaps charged to the host op that launched the kernel ending
@@ -112,10 +113,10 @@ class _Launchers:
 
         # every host span per thread (cpu ops, and Python frames when profiled with stacks), for
         # the call chain of the longest gaps' launches
-        self.spans: dict[int, list[tuple[float, float, str]]] = defaultdict(list)
+        self.spans: dict[int, list[tuple[float, float, str, str]]] = defaultdict(list)
         for e in events:
             if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "python_function"):
-                self.spans[e.get("tid", 0)].append((e["ts"], e["ts"] + e["dur"], str(e["name"])))
+                self.spans[e.get("tid", 0)].append((e["ts"], e["ts"] + e["dur"], str(e["name"]), e["cat"]))
 
     def _launch_of(self, kernel: dict) -> dict | None:
         return self.launch.get(kernel.get("args", {}).get("correlation"))
@@ -127,8 +128,33 @@ class _Launchers:
         if launch is None:
             return []
         ts = launch["ts"]
-        inside = [(a, -b, name) for a, b, name in self.spans.get(launch.get("tid", 0), ()) if a <= ts <= b]
+        inside = [(a, -b, name) for a, b, name, _ in self.spans.get(launch.get("tid", 0), ()) if a <= ts <= b]
         return [name for _, _, name in sorted(inside)]
+
+    def sites(self, kernels: list[dict]) -> list[str]:
+        """Where each kernel was launched, as one line: the innermost Python frame outside torch
+        (with ``logging.profile_with_stack``), the top-level host op and the innermost one, e.g.
+        ``megatron/core/distributed/...py(380): hook | aten::add_``. Which code to change to remove a
+        kernel. One sweep per launching thread (host spans nest, so the enclosing ones are a stack)."""
+        out = ["(launch not in trace)"] * len(kernels)
+        queries: dict[int, list[tuple[float, int]]] = defaultdict(list)
+        for i, k in enumerate(kernels):
+            launch = self._launch_of(k)
+            if launch is not None:
+                queries[launch.get("tid", 0)].append((launch["ts"], i))
+        for tid, wanted in queries.items():
+            spans = sorted(self.spans.get(tid, ()), key=lambda x: (x[0], -x[1]))
+            stack, j = [], 0
+            for ts, i in sorted(wanted):
+                while j < len(spans) and spans[j][0] <= ts:
+                    while stack and stack[-1][1] < spans[j][0]:
+                        stack.pop()
+                    stack.append(spans[j])
+                    j += 1
+                while stack and stack[-1][1] < ts:
+                    stack.pop()
+                out[i] = _site([s for s in stack if s[0] <= ts <= s[1]])
+        return out
 
     def launch_ts(self, kernel: dict) -> float | None:
         launch = self._launch_of(kernel)
@@ -143,6 +169,29 @@ class _Launchers:
         if i >= 0 and top[i][1] >= launch["ts"]:
             return top[i][2]
         return "(outside any op)"
+
+
+def _site(enclosing: list[tuple]) -> str:
+    """One line from the host spans around a launch, outermost first (see ``_Launchers.sites``)."""
+    ops = [name for _, _, name, cat in enclosing if cat == "cpu_op"]
+    frames = [name for _, _, name, cat in enclosing if cat == "python_function"
+              and not name.startswith(("torch/", "<built-in", "threading.py", "contextlib.py"))]
+    parts = [frames[-1]] if frames else []
+    if ops:
+        parts += [ops[0]] if len(ops) == 1 else [ops[0], ops[-1]]
+    return " | ".join(parts) or "(outside any op)"
+
+
+def _by_site(kernels: list[dict], sites: list[str], top: int = 3) -> dict[str, list[dict]]:
+    """Per kernel name, its ``top`` launch sites by device time."""
+    agg: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
+    for k, site in zip(kernels, sites):
+        a = agg[k["name"]][site]
+        a[0] += k["dur"]
+        a[1] += 1
+    return {name: [{"site": site, "ms": us / 1e3, "calls": n}
+                   for site, (us, n) in sorted(per.items(), key=lambda kv: -kv[1][0])[:top]]
+            for name, per in agg.items()}
 
 
 def _idle_gaps(mine: list[dict], launchers: _Launchers, top_n: int,
@@ -214,6 +263,7 @@ def summarize_trace(events: list[dict], top_n: int = TOP_N) -> list[dict]:
         wall_us = wall_end - wall_start
         top = sorted(by_kernel.items(), key=lambda kv: -kv[1][0])[:top_n]
         gap_us, gaps, longest = _idle_gaps(mine, launchers, top_n, busy_until=wall_start)
+        sites = _by_site(mine, launchers.sites(mine))
         out.append({
             "step": name,
             "wall_ms": wall_us / 1e3,
@@ -224,7 +274,7 @@ def summarize_trace(events: list[dict], top_n: int = TOP_N) -> list[dict]:
             "categories": [{"category": c, "ms": us / 1e3, "fraction": us / kernel_us if kernel_us else 0.0}
                            for c, us in sorted(by_cat.items(), key=lambda kv: -kv[1])],
             "top_kernels": [{"kernel": n, "ms": us / 1e3, "calls": calls, "category": categorize(n),
-                             "fraction": us / kernel_us if kernel_us else 0.0}
+                             "fraction": us / kernel_us if kernel_us else 0.0, "sites": sites[n]}
                             for n, (us, calls) in top],
             "idle_gaps_ms": gap_us / 1e3,
             "idle_gaps_by_launching_op": gaps,
@@ -255,9 +305,11 @@ def format_summary(summary: list[dict]) -> str:
                      f"(idle {100 * idle:.1f}%), {s['num_kernels']} kernels, kernel time {s['kernel_ms']:.1f} ms")
         lines.append("  by category:")
         lines += [f"    {c['ms']:10.2f} ms {100 * c['fraction']:5.1f}%  {c['category']}" for c in s["categories"]]
-        lines.append("  top kernels:")
-        lines += [f"    {k['ms']:10.2f} ms {100 * k['fraction']:5.1f}% {k['calls']:6d}x  [{k['category']}] "
-                  f"{k['kernel'][:140]}" for k in s["top_kernels"]]
+        lines.append("  top kernels (under each, its top launch sites: Python frame | top-level op | innermost op):")
+        for k in s["top_kernels"]:
+            lines.append(f"    {k['ms']:10.2f} ms {100 * k['fraction']:5.1f}% {k['calls']:6d}x  [{k['category']}] "
+                         f"{k['kernel'][:140]}")
+            lines += [f"        {x['ms']:8.2f} ms {x['calls']:6d}x  {x['site'][:160]}" for x in k.get("sites", ())]
         lines.append(f"  GPU idle gaps > {GAP_US:g} us: {s['idle_gaps_ms']:.1f} ms, by the host op that launched "
                      "the kernel ending each gap:")
         lines += [f"    {g['ms']:10.2f} ms {g['gaps']:6d} gaps  {g['op'][:140]}" for g in s["idle_gaps_by_launching_op"]]

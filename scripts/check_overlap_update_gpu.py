@@ -89,6 +89,9 @@ def main() -> int:
                     help="comma list of fp32, bf16, bf16_graphs; the first also runs the unguarded variant")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not torch.cuda.is_available():
         print("check_overlap_update_gpu: needs a GPU (the overlap is a second CUDA stream)", file=sys.stderr)
         return 2

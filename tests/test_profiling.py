@@ -168,3 +168,40 @@ def test_profiler_traces_one_warmup_step_before_the_profiled_ones(tmp_path):
     trace = json.loads(gzip.open(tmp_path / "profile" / "trace_rank0.json.gz", "rt").read())["traceEvents"]
     names = {e["name"] for e in trace if str(e.get("name", "")).startswith(("ProfilerStep#", "ProfilerWarmup#"))}
     assert names == {"ProfilerWarmup#2", "ProfilerStep#3"}
+
+
+def test_each_top_kernel_lists_the_code_that_launched_it():
+    """Launch sites: the innermost Python frame outside torch, the top-level op and the innermost
+    op around each launch, aggregated per kernel name (the backward thread has no Python frame)."""
+    def span(name, ts, dur, cat="cpu_op", tid=1):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+    def launch(corr, ts, tid=1):
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "tid": tid,
+                "args": {"correlation": corr}}
+
+    def kernel(name, corr, ts, dur):
+        return {**_kernel(name, ts, dur), "args": {"correlation": corr}}
+
+    py = "python_function"
+    events = [
+        _step(1, 0, 1000),
+        # thread 1: two hooks adding into main_grad, then a forward matmul under torch's module call
+        span("megatron/core/distributed/ddp.py(380): hook", 10, 100, py), span("aten::add_", 20, 10),
+        span("megatron/core/distributed/ddp.py(380): hook", 200, 100, py), span("aten::add_", 210, 10),
+        span("model.py(5): forward", 400, 100, py), span("torch/nn/modules/linear.py(125): forward", 410, 80, py),
+        span("aten::linear", 420, 50), span("aten::mm", 430, 20),
+        # thread 2: autograd's backward node
+        span("autograd::engine::evaluate_function: AddBackward0", 600, 50, tid=2), span("aten::add", 610, 20, tid=2),
+        launch(1, 22), launch(2, 212), launch(3, 435), launch(4, 615, tid=2),
+        kernel("add_kernel", 1, 30, 10), kernel("add_kernel", 2, 230, 10),
+        kernel("gemm_kernel", 3, 440, 50), kernel("add_kernel", 4, 620, 30),
+        kernel("orphan_kernel", 99, 700, 5),  # no launch record in the trace
+    ]
+    (s,) = summarize_trace(events)
+    sites = {k["kernel"]: [(x["site"], x["calls"]) for x in k["sites"]] for k in s["top_kernels"]}
+    assert sites["add_kernel"] == [("autograd::engine::evaluate_function: AddBackward0 | aten::add", 1),
+                                   ("megatron/core/distributed/ddp.py(380): hook | aten::add_", 2)]
+    assert sites["gemm_kernel"] == [("model.py(5): forward | aten::linear | aten::mm", 1)]
+    assert sites["orphan_kernel"] == [("(launch not in trace)", 1)]
+    assert "megatron/core/distributed/ddp.py(380): hook | aten::add_" in format_summary([s])
