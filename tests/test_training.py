@@ -54,12 +54,15 @@ def test_proxy_recipe_loss_falls_and_metrics_are_complete(tmp_path):
     assert list((tmp_path / "tensorboard").iterdir())
 
 
-@pytest.mark.parametrize("flat_adamw", ["null", "true"])
-def test_resume_reproduces_the_uninterrupted_run(tmp_path, flat_adamw):
+@pytest.mark.parametrize("optimizer", [["optimizer.flat=null"], ["optimizer.flat=true"],
+                                       ["optimizer.flat=true", "optimizer.overlap_step=true"]])
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, optimizer):
     # data.prefetch=2: checkpoints must record the batches consumed, not the ones built ahead.
     # optimizer.flat=true: the moments are views of flat buffers, re-bound after the load.
+    # optimizer.overlap_step=true: the save waits for the update; the resumed run learns the
+    # forward order again and skips no zeroing it should not (its first step zeroes as usual).
     common = ["train.seq_length=256", "train.global_batch_size=1", "train.iters=20",
-              "data.max_image_side=64", "data.max_text_tokens=48", "data.prefetch=2", f"optimizer.flat={flat_adamw}"]
+              "data.max_image_side=64", "data.max_text_tokens=48", "data.prefetch=2", *optimizer]
     full = _train(tmp_path / "full", *common, f"checkpoint.dir={tmp_path / 'ck_full'}", "checkpoint.interval=10")
     first = _train(tmp_path / "a", *common, "train.iters=10", "optimizer.decay_iters=20",
                    f"checkpoint.dir={tmp_path / 'ck'}")
