@@ -94,7 +94,7 @@ def test_the_update_in_parts_equals_the_whole_update_bit_for_bit(mcore):
 
 def test_install_refuses_what_it_cannot_overlap(mcore, caplog):
     _, _, opt, _ = _megatron_optimizer(flat=False)
-    model, _ = proxy_model()[1], None
+    _, model = proxy_model()
     assert overlap_update.install(model, opt, True) is None
     assert "needs flat AdamW" in caplog.text
     model, _, opt, _ = _megatron_optimizer(flat=True)
