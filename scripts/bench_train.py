@@ -307,9 +307,22 @@ def run_hf(cfg, batches: list[list[dict]], warmup: int, steps: int, dtype, devic
 # ------------------------------------------------------------------ recompute sweep
 
 
+def run_ours_again(args, log_dir: Path, overrides: list[str], rt) -> dict:
+    """Ours once more in this process, a fresh model built from ``args.config`` and ``overrides``
+    (the extra runs of --recompute-sweep and --ab), after freeing what the last run left cached."""
+    from multimodal.config import load_config, resolve_sources
+
+    cfg = load_config(args.config, [f"logging.dir={log_dir}", *overrides])
+    resolve_sources(cfg)
+    gc.collect()
+    if rt.is_cuda:
+        torch.cuda.empty_cache()
+    return run_ours(cfg, args.warmup, args.steps)
+
+
 def recompute_sweep(args, out_dir: str, forced: list[str], rt) -> dict:
     """Ours once per recompute choice (fresh model each time): the memory each module saves."""
-    from multimodal.config import load_config, resolve_sources
+    from multimodal.config import load_config
 
     from multimodal.recompute import sweep_choices
 
@@ -318,13 +331,8 @@ def recompute_sweep(args, out_dir: str, forced: list[str], rt) -> dict:
         name = ",".join(mods) or "none"
         d = Path(out_dir) / f"recompute_{name.replace(',', '+')}"
         # every row eager: CUDA graphs (on in the 2B recipe) cannot be combined with recompute
-        cfg = load_config(args.config, [f"logging.dir={d}", *args.overrides, *forced, "train.cuda_graphs=false",
-                                        f"train.recompute_modules=[{','.join(mods)}]"])
-        resolve_sources(cfg)
-        gc.collect()
-        if rt.is_cuda:
-            torch.cuda.empty_cache()
-        r = run_ours(cfg, args.warmup, args.steps)
+        r = run_ours_again(args, d, [*args.overrides, *forced, "train.cuda_graphs=false",
+                                     f"train.recompute_modules=[{','.join(mods)}]"], rt)
         out[name] = {k: r[k] for k in ("peak_mem_gib", "step_time_s", "tokens_per_s", "loss_last")}
         log.info("recompute %s: peak %.2f GiB, %.3f s/step", name, r["peak_mem_gib"], r["step_time_s"])
     base = out["none"]["peak_mem_gib"]
@@ -339,21 +347,13 @@ def recompute_sweep(args, out_dir: str, forced: list[str], rt) -> dict:
 def ab_runs(args, out_dir: str, forced: list[str], rt) -> dict:
     """For each --ab override set: ours with it (B), then ours as given again (A), fresh models,
     in this process. With the main run that makes A, B, A: a drift (clocks, caches) shows as A != A."""
-    from multimodal.config import load_config, resolve_sources
-
     out = {}
     for i, spec in enumerate(args.ab):
         extra = [kv for kv in spec.split(",") if kv]
         rows = {}
         for name, overrides in (("b", extra), ("a_again", [])):
-            cfg = load_config(args.config, [f"logging.dir={Path(out_dir) / f'ab{i}_{name}'}", *args.overrides,
-                                            *overrides, *forced])
-            resolve_sources(cfg)
-            gc.collect()
-            if rt.is_cuda:
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
-            r = run_ours(cfg, args.warmup, args.steps)
+            # (the trainer resets the peak-memory counter itself once the model is built)
+            r = run_ours_again(args, Path(out_dir) / f"ab{i}_{name}", [*args.overrides, *overrides, *forced], rt)
             rows[name] = {k: r[k] for k in ("step_time_s", "tokens_per_s", "mfu", "peak_mem_gib", "loss_last")}
             log.info("ab %s %s: %.4f s/step", spec, name, r["step_time_s"])
         out[spec] = rows
