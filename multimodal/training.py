@@ -434,7 +434,7 @@ class _PendingLog:
     host: dict                    # lr, CUDA-graph counters, steps in the window
     window: tuple                 # (start, end) marks of _StepClock
     clock: _StepClock
-    ready: object = None          # CUDA event after the staged copy (queued behind the update when overlapped)
+    ready: object = None          # CUDA event after the staged copy on the update stream (overlapped only)
 
 
 def _start_log(it, report, grad_norm, scheduler, window: _Window, clock: _StepClock, model, rt: Runtime,
@@ -468,8 +468,8 @@ def _start_log(it, report, grad_norm, scheduler, window: _Window, clock: _StepCl
         staged = torch.empty(values.shape, dtype=values.dtype, pin_memory=rt.is_cuda)
         staged.copy_(values, non_blocking=True)
         ready = None
-        if rt.is_cuda:
-            ready = torch.cuda.Event()
+        if overlap is not None and overlap.stream is not None:  # else the clock's end mark, recorded
+            ready = torch.cuda.Event()                           # after the copy on its stream, covers it
             ready.record()
     host_grad = None if on_device or grad_norm is None else float(grad_norm)
     if grad_norm is None:
