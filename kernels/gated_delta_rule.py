@@ -163,13 +163,20 @@ def causal_conv1d_silu(x, weight, cu_seqlens, backend: str, varlen: GDNVarlen | 
     return causal_conv1d_silu_ref(x, weight, cu_seqlens)
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, backend: str, varlen: GDNVarlen | None = None):
+def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, backend: str, varlen: GDNVarlen | None = None,
+                           save_states: bool = False):
     """The delta rule over a batch; ``varlen`` (packed batches, optional) carries the chunk table
-    built once per micro-batch, so fla skips its per-call index construction and host sync."""
+    built once per micro-batch, so fla skips its per-call index construction and host sync.
+    ``save_states`` (fla only, ``model.gdn_save_states``): keep the chunk states from the forward
+    instead of recomputing them in the backward (kernels/fla_saved_states.py)."""
     if backend == "fla":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
 
         cu, chunk_indices = _fla_varlen(cu_seqlens, varlen)
+        if save_states and torch.is_grad_enabled():
+            from kernels.fla_saved_states import chunk_gated_delta_rule_saved_states
+
+            return chunk_gated_delta_rule_saved_states(q, k, v, g, beta, cu, chunk_indices)
         return fla_chunk(q, k, v, g=g, beta=beta, cu_seqlens=cu, chunk_indices=chunk_indices,
                          chunk_size=FLA_CHUNK_SIZE, use_qk_l2norm_in_kernel=False)[0]
     return chunk_gated_delta_rule_ref(q, k, v, g, beta, cu_seqlens)

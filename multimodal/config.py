@@ -81,6 +81,10 @@ class ModelConfig:
     # kernels
     attention_backend: str = "auto"  # auto | sdpa | varlen (models/common/attention.py)
     gdn_backend: str = "auto"  # auto | fla | torch
+    # fla backend: keep the delta rule's per-chunk states (w, h, v_new; ~134 MB per GDN layer at 8K
+    # tokens and 16 heads of 128, bf16) from the forward for the backward instead of fla's
+    # recomputing them there (kernels/fla_saved_states.py). false = fla's own autograd function.
+    gdn_save_states: bool = True
     # Fused Triton kernels beside PyTorch references (kernels/fused_mrope.py, fused_pre_gdr.py).
     # null / auto: the kernels on GPU, the PyTorch path on CPU (model.py FUSED_KERNELS_BY_DEFAULT).
     # Asked for but unable to run (CPU without TRITON_INTERPRET, unsupported dtype): one warning,

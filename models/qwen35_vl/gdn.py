@@ -27,6 +27,7 @@ class Qwen35GatedDeltaNet(GatedDeltaNet):
     gdn_backend_request: str = "auto"
     # model.gdn_pre_impl as build() resolved it: "fused" (kernels/fused_pre_gdr.py) or "unfused"
     gdn_pre_impl: str = "unfused"
+    save_states: bool = True  # model.gdn_save_states (fla only)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -45,7 +46,8 @@ class Qwen35GatedDeltaNet(GatedDeltaNet):
             core, z = self._context_parallel_core(proj, cp, cu_seqlens, varlen)
         else:
             q, k, v, g, beta, z = self.prepare(proj, cu_seqlens, varlen)
-            core = gdr.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, self.kernel_backend, varlen)  # [B, S, nv, V]
+            core = gdr.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, self.kernel_backend, varlen,
+                                              self.save_states)  # [B, S, nv, V]
         return self.out_proj(self.norm_out(core, z))
 
     def _split_proj(self, proj: torch.Tensor):
@@ -113,7 +115,8 @@ class Qwen35GatedDeltaNet(GatedDeltaNet):
             torch.cat([qg, kg, vg], dim=-1), bg, ag, conv_weight, self.A_log[heads], self.dt_bias[heads], cu_seqlens,
             varlen,
         )
-        core = gdr.chunk_gated_delta_rule(qh, kh, vh, g, beta, cu_seqlens, self.kernel_backend, varlen)  # [B, S, nv/cp, V]
+        core = gdr.chunk_gated_delta_rule(qh, kh, vh, g, beta, cu_seqlens, self.kernel_backend, varlen,
+                                          self.save_states)  # [B, S, nv/cp, V]
         core = heads_to_tokens(core.transpose(0, 1), cp)  # [S_local, B, cp, nv/cp, V]
         core = core.reshape(seq_local, batch, -1, self.value_head_dim).transpose(0, 1)
         return core, z.transpose(0, 1).reshape(batch, seq_local, -1, self.value_head_dim)

@@ -180,6 +180,7 @@ def build(cfg, parallel, params_dtype: torch.dtype, pre_process: bool = True, po
     attn_mod.CoreAttention.backend = m.attention_backend
     norms.COMPILE = m.compile_norms
     gdn_mod.Qwen35GatedDeltaNet.gdn_backend_request = m.gdn_backend
+    gdn_mod.Qwen35GatedDeltaNet.save_states = m.gdn_save_states
     # auto: the fused Triton kernels on GPU, the PyTorch path on CPU. (They were opt-in while the
     # 2B step was slower with them; the profile showed recompiles for new batch shapes, fixed with
     # do_not_specialize, docs/benchmarks/README.md.)
