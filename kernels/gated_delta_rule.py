@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -50,22 +51,47 @@ def fla_unusable_reason() -> str | None:
 
 @functools.cache
 def gdn_backend(requested: str = "auto") -> str:
-    """Resolve 'auto' | 'fla' | 'torch' to the backend this process uses; logs the choice."""
+    """Resolve 'auto' | 'fla' | 'flash_qla' | 'torch' to the backend this process uses; logs the choice."""
     reason = fla_unusable_reason()
     if requested == "torch":
         return "torch"
+    if requested == "flash_qla":
+        from kernels import flash_qla_gdr
+
+        qla_reason = flash_qla_gdr.unusable_reason()
+        if qla_reason:
+            raise RuntimeError(f"model.gdn_backend=flash_qla cannot run: {qla_reason}")
+        log.info("GDN kernels: FlashQLA for the delta rule, flash-linear-attention's conv1d where it imports")
+        return "flash_qla"
     if requested == "fla":
         if reason:
             raise RuntimeError(f"model.gdn_backend=fla cannot run: {reason}")
+        _no_fla_flash_qla_dispatch()
         return "fla"
     if requested != "auto":
-        raise ValueError(f"model.gdn_backend must be auto|fla|torch, got {requested!r}")
+        raise ValueError(f"model.gdn_backend must be auto|fla|flash_qla|torch, got {requested!r}")
     if reason is None:
         log.info("GDN kernels: flash-linear-attention")
+        _no_fla_flash_qla_dispatch()
         return "fla"
     level = logging.WARNING if torch.cuda.is_available() else logging.INFO
     log.log(level, "GDN kernels: PyTorch reference (%s)", reason)
     return "torch"
+
+
+FLA_FLASH_QLA_ENV = "FLA_FLASH_QLA"
+
+
+def _no_fla_flash_qla_dispatch() -> None:
+    """fla 0.6.0 hands its delta rule to FlashQLA by itself when flash_qla is installed. That path
+    reads cu_seqlens on the host to choose its split and caches the choice per tensor object, so
+    with the CUDA graphs' static buffers it would keep the first micro-batch's split for every
+    later one. The fla backend therefore runs fla's own kernels; model.gdn_backend=flash_qla runs
+    FlashQLA with the split planned per micro-batch (kernels/flash_qla_gdr.py)."""
+    if importlib.util.find_spec("flash_qla") is not None and os.environ.get(FLA_FLASH_QLA_ENV) != "0":
+        log.info("fla's own dispatch to FlashQLA turned off (%s=0); model.gdn_backend=flash_qla uses it",
+                 FLA_FLASH_QLA_ENV)
+        os.environ[FLA_FLASH_QLA_ENV] = "0"
 
 
 def position_in_sample(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -132,19 +158,36 @@ def chunk_indices_host(cu_seqlens: torch.Tensor, chunk_size: int = FLA_CHUNK_SIZ
     return torch.stack([sample, torch.arange(sample.numel()) - first_chunk[sample]], 1)
 
 
+# value heads per GDN layer on this rank while the flash_qla backend runs (set by the model
+# build, kernels.gated_delta_rule.plan_flash_qla): GDNVarlen.from_host then plans FlashQLA's split
+FLASH_QLA_HEADS: int | None = None
+
+
+def plan_flash_qla(heads: int | None) -> None:
+    global FLASH_QLA_HEADS
+    FLASH_QLA_HEADS = heads
+
+
 @dataclass
 class GDNVarlen:
     """A packed micro-batch's varlen metadata for fla, on the device, shared by every GDN layer:
     ``cu_seqlens`` as int64 (one tensor object, so fla's per-tensor caches hit after the first
-    layer) and ``chunk_indices`` from ``chunk_indices_host``."""
+    layer) and ``chunk_indices`` from ``chunk_indices_host``; ``qla``: FlashQLA's plan
+    (kernels/flash_qla_gdr.py) when that backend runs."""
 
     cu_seqlens: torch.Tensor
     chunk_indices: torch.Tensor
+    qla: object | None = None
 
     @classmethod
     def from_host(cls, cu_seqlens: torch.Tensor, device) -> "GDNVarlen":
-        return cls(to_device_async(cu_seqlens.to(torch.long), device),
-                   to_device_async(chunk_indices_host(cu_seqlens), device))
+        out = cls(to_device_async(cu_seqlens.to(torch.long), device),
+                  to_device_async(chunk_indices_host(cu_seqlens), device))
+        if FLASH_QLA_HEADS is not None:
+            from kernels.flash_qla_gdr import plan_from_host
+
+            out.qla = plan_from_host(cu_seqlens, out.cu_seqlens, FLASH_QLA_HEADS)
+        return out
 
 
 def _fla_varlen(cu_seqlens: torch.Tensor | None, varlen: GDNVarlen | None):
@@ -155,6 +198,8 @@ def _fla_varlen(cu_seqlens: torch.Tensor | None, varlen: GDNVarlen | None):
 
 
 def causal_conv1d_silu(x, weight, cu_seqlens, backend: str, varlen: GDNVarlen | None = None):
+    if backend == "flash_qla" and fla_unusable_reason() is None:
+        backend = "fla"  # FlashQLA has no conv1d; the model's fused pre-GDR kernel usually covers it
     if backend == "fla":
         from fla.modules.convolution import causal_conv1d
 
@@ -169,6 +214,18 @@ def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, backend: str, varlen: G
     built once per micro-batch, so fla skips its per-call index construction and host sync.
     ``save_states`` (fla only, ``model.gdn_save_states``): keep the chunk states from the forward
     instead of recomputing them in the backward (kernels/fla_saved_states.py)."""
+    if backend == "flash_qla":
+        from kernels import flash_qla_gdr
+
+        reason = flash_qla_gdr.shape_refusal(q, v)
+        if reason is None:
+            plan = None
+            if cu_seqlens is not None:
+                plan = varlen.qla if varlen is not None and varlen.qla is not None else \
+                    flash_qla_gdr.plan_from_host(cu_seqlens.cpu(), cu_seqlens.long(), v.shape[2])  # syncs
+            return flash_qla_gdr.chunk_gated_delta_rule(q, k, v, g, beta, plan)
+        backend = "fla" if fla_unusable_reason() is None else "torch"
+        _warn_once(f"model.gdn_backend=flash_qla: {reason}; this call runs {backend}")
     if backend == "fla":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
 
@@ -180,6 +237,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, backend: str, varlen: G
         return fla_chunk(q, k, v, g=g, beta=beta, cu_seqlens=cu, chunk_indices=chunk_indices,
                          chunk_size=FLA_CHUNK_SIZE, use_qk_l2norm_in_kernel=False)[0]
     return chunk_gated_delta_rule_ref(q, k, v, g, beta, cu_seqlens)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    log.warning(message)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -42,6 +42,7 @@ import inspect
 import json
 import logging
 import math
+import os
 import sys
 import tempfile
 import time
@@ -192,8 +193,8 @@ def build_hf(m, dtype, device, gdn: str):
     config._attn_implementation = "sdpa"
     kernels = "torch"
     if gdn in ("auto", "fla") and device.type == "cuda" and importlib.util.find_spec("fla") is not None:
-        kernels = "fla"
-    if gdn == "fla" and kernels != "fla":
+        kernels = "fla+flash_qla" if importlib.util.find_spec("flash_qla") is not None else "fla"
+    if gdn == "fla" and not kernels.startswith("fla"):
         raise BenchError("--hf-gdn fla needs flash-linear-attention (`fla`) and a CUDA device")
     if kernels == "torch":
         force_hf_torch_gdn()
@@ -234,6 +235,21 @@ def force_hf_torch_gdn(model=None) -> None:
 
 
 def run_hf(cfg, batches: list[list[dict]], warmup: int, steps: int, dtype, device, feed: str, gdn: str) -> dict:
+    """transformers with its fastest GDN kernels: fla, and through fla FlashQLA when installed (our
+    fla backend turns fla's FlashQLA dispatch off, kernels.gated_delta_rule; transformers runs
+    eagerly, where that dispatch is sound, so it gets it back for its run)."""
+    from kernels.gated_delta_rule import FLA_FLASH_QLA_ENV
+
+    before = os.environ.get(FLA_FLASH_QLA_ENV)
+    os.environ.pop(FLA_FLASH_QLA_ENV, None)  # fla's default: on when flash_qla imports
+    try:
+        return _run_hf(cfg, batches, warmup, steps, dtype, device, feed, gdn)
+    finally:
+        if before is not None:
+            os.environ[FLA_FLASH_QLA_ENV] = before
+
+
+def _run_hf(cfg, batches: list[list[dict]], warmup: int, steps: int, dtype, device, feed: str, gdn: str) -> dict:
     from multimodal.flops import device_peak_tflops, training_flops
 
     m, o = cfg.model, cfg.optimizer

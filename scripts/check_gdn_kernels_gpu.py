@@ -7,8 +7,13 @@ Implementations (each where it imports):
 - ``fla_saved``: kernels/fla_saved_states.py, fla's kernels with the chunk states kept from the
   forward (``model.gdn_save_states=true``); must equal ``fla`` bit for bit, since it runs the same
   kernels on the same values, minus the backward's recomputation;
-- ``flash_qla`` / ``flash_qla_nocp``: the FlashQLA package (TileLang), with and without its
-  automatic intra-card split of long sequences, to see what it would give (not wired into the model).
+- ``flash_qla`` / ``flash_qla_nocp``: the FlashQLA package (TileLang) called directly, with and
+  without its automatic intra-card split of long sequences;
+- ``qla_host_plan``: kernels/flash_qla_gdr.py as the trainer runs it eagerly (``model.gdn_backend=
+  flash_qla``): the split planned on the host;
+- ``qla_graph_plan`` / ``qla_graph_plan_one_segment``: as the CUDA graphs run it: the padded static
+  buffers of layer_graphs.StaticBatch (empty segments, padding rows in the chunk table), unsplit for
+  rows of several samples, split for one-sample rows.
 
 Inputs: bf16, the 2B recipe's 16 heads of 128, packed 8K rows of one and of several samples; the
 reference is kernels.gated_delta_rule.chunk_gated_delta_rule_ref on fp32 copies. For each: the
@@ -72,7 +77,47 @@ def implementations():
             q, k, v, g, b, cu_seqlens=cu, auto_cp=False)[0]
     except Exception as e:  # not installed, or no SM90 toolchain
         print(f"flash_qla: not run ({type(e).__name__}: {e})")
+        return impls
+    from kernels import flash_qla_gdr as qla
+
+    plans = {}
+
+    def host_plan(q, k, v, g, b, cu):  # what the trainer runs eagerly: the plan built on the host
+        if cu not in plans:
+            plans[cu] = qla.plan_from_host(cu.cpu(), cu.clone(), v.shape[2])
+        return qla.chunk_gated_delta_rule(q, k, v, g, b, plans[cu])
+
+    def static_plan(one_segment):  # what the CUDA graphs replay: padded buffers, fixed plan
+        def run(q, k, v, g, b, cu):
+            key = (cu, one_segment)
+            if key not in plans:
+                plans[key] = _static_plan(cu, q.shape[1], v.shape[2], one_segment)
+            return qla.chunk_gated_delta_rule(q, k, v, g, b, plans[key].plan)
+        return run
+
+    impls["qla_host_plan"] = host_plan
+    impls["qla_graph_plan"] = static_plan(False)
+    impls["qla_graph_plan_one_segment"] = static_plan(True)
     return impls
+
+
+MAX_SAMPLES = 8  # the graphs' padding: cu_seqlens up to this many samples, then empty segments
+
+
+def _static_plan(cu, seq, heads, one_segment):
+    """layer_graphs.StaticBatch's buffers for this row, filled as its load() fills them."""
+    from kernels import flash_qla_gdr as qla
+
+    n_cu = MAX_SAMPLES + 2
+    cu64 = torch.full((n_cu,), seq, dtype=torch.int64, device="cuda")
+    chunks = torch.zeros((seq // gdr.FLA_CHUNK_SIZE + MAX_SAMPLES, 2), dtype=torch.int64, device="cuda")
+    plan = qla.StaticPlan(cu64, chunks, seq, MAX_SAMPLES, heads, one_segment)
+    table = gdr.chunk_indices_host(cu.cpu()).cuda()
+    cu64[: cu.numel()].copy_(cu)
+    chunks[: table.shape[0]].copy_(table)
+    chunks[table.shape[0]:, 0] = MAX_SAMPLES
+    plan.load()
+    return plan
 
 
 def fwd_bwd(fn, tensors, cot, cu):
@@ -126,6 +171,8 @@ def main(argv=None) -> int:
                       [t.float() for t in tensors], cot.float(), cu)
         results, outs = {}, {}
         for name, fn in impls.items():
+            if name == "qla_graph_plan_one_segment" and len(lens) != 1:
+                continue  # that plan is for one-sample rows only
             try:
                 outs[name] = fwd_bwd(fn, tensors, cot, cu)
             except Exception as e:

@@ -41,6 +41,7 @@ from collections import Counter
 
 import torch
 
+from kernels import gated_delta_rule as gdr
 from kernels.gated_delta_rule import FLA_CHUNK_SIZE, GDNVarlen
 from multimodal.context_parallel import PackedRowParams, cp_info, segment_boundaries
 
@@ -62,10 +63,16 @@ class StaticBatch:
         # sum over samples of ceil(len / chunk) <= seq / chunk + samples
         self.chunks = torch.zeros((seq // FLA_CHUNK_SIZE + max_samples, 2), dtype=torch.int64, device=device)
         self.rope = torch.zeros_like(rope)
+        self.qla = None  # FlashQLA's fixed-shape plan, when that GDN backend runs
+        if gdr.FLASH_QLA_HEADS is not None:
+            from kernels.flash_qla_gdr import StaticPlan
+
+            self.qla = StaticPlan(self.cu64, self.chunks, seq, max_samples, gdr.FLASH_QLA_HEADS, one_segment)
         self.params = PackedRowParams(
             qkv_format="thd", cu_seqlens_q=self.cu32, cu_seqlens_kv=self.cu32, cu_seqlens_q_padded=self.cu32,
             cu_seqlens_kv_padded=self.cu32, max_seqlen_q=seq, max_seqlen_kv=seq,
-            gdn_varlen=GDNVarlen(self.cu64, self.chunks), static_shape=not one_segment)
+            gdn_varlen=GDNVarlen(self.cu64, self.chunks, None if self.qla is None else self.qla.plan),
+            static_shape=not one_segment)
 
     def refusal(self, params, rope) -> str | None:
         """None if this micro-batch fits the buffers, else why not."""
@@ -93,6 +100,8 @@ class StaticBatch:
         self.chunks[chunks.shape[0]:, 0].fill_(self.max_samples)  # the empty segment: masked out
         self.chunks[chunks.shape[0]:, 1].fill_(0)
         self.rope.copy_(rope, non_blocking=True)
+        if self.qla is not None:
+            self.qla.load()
 
 
 class LayerGraph:
