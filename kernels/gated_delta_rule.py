@@ -1,6 +1,8 @@
 """Gated DeltaNet core ops: causal depthwise conv1d and the chunked gated delta rule.
 
-Two implementations of each, chosen once per process by ``gdn_backend()``:
+Implementations, chosen once per process by ``gdn_backend()``:
+- ``flash_qla`` (the delta rule only; ``auto`` picks it where ``flash_qla`` imports on SM90/SM100):
+  FlashQLA's fused TileLang kernels, planned by kernels/flash_qla_gdr.py; the conv runs fla's.
 - ``fla``: flash-linear-attention's Triton kernels (CUDA only; varlen via cu_seqlens).
 - ``torch``: plain PyTorch references below, used on CPU and wherever fla cannot run.
   They handle packed (THD) batches: the conv never reads across a sample boundary
@@ -55,13 +57,14 @@ def gdn_backend(requested: str = "auto") -> str:
     reason = fla_unusable_reason()
     if requested == "torch":
         return "torch"
-    if requested == "flash_qla":
-        from kernels import flash_qla_gdr
+    from kernels import flash_qla_gdr
 
-        qla_reason = flash_qla_gdr.unusable_reason()
+    qla_reason = flash_qla_gdr.unusable_reason()
+    if requested == "flash_qla" or (requested == "auto" and qla_reason is None):
         if qla_reason:
             raise RuntimeError(f"model.gdn_backend=flash_qla cannot run: {qla_reason}")
         log.info("GDN kernels: FlashQLA for the delta rule, flash-linear-attention's conv1d where it imports")
+        _no_fla_flash_qla_dispatch()  # a call FlashQLA refuses (dtype, head size) falls back to fla's own kernels
         return "flash_qla"
     if requested == "fla":
         if reason:
@@ -71,11 +74,11 @@ def gdn_backend(requested: str = "auto") -> str:
     if requested != "auto":
         raise ValueError(f"model.gdn_backend must be auto|fla|flash_qla|torch, got {requested!r}")
     if reason is None:
-        log.info("GDN kernels: flash-linear-attention")
+        log.info("GDN kernels: flash-linear-attention (FlashQLA: %s)", qla_reason)
         _no_fla_flash_qla_dispatch()
         return "fla"
     level = logging.WARNING if torch.cuda.is_available() else logging.INFO
-    log.log(level, "GDN kernels: PyTorch reference (%s)", reason)
+    log.log(level, "GDN kernels: PyTorch reference (%s; FlashQLA: %s)", reason, qla_reason)
     return "torch"
 
 

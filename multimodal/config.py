@@ -80,7 +80,8 @@ class ModelConfig:
     pad_token_id: int = 1006
     # kernels
     attention_backend: str = "auto"  # auto | sdpa | varlen (models/common/attention.py)
-    gdn_backend: str = "auto"  # auto (= fla, else torch) | fla | flash_qla (kernels/flash_qla_gdr.py) | torch
+    # auto = flash_qla where `flash_qla` imports (SM90/SM100), else fla, else torch
+    gdn_backend: str = "auto"  # auto | flash_qla (kernels/flash_qla_gdr.py) | fla | torch
     # fla backend: keep the delta rule's per-chunk states (w, h, v_new; ~134 MB per GDN layer at 8K
     # tokens and 16 heads of 128, bf16) from the forward for the backward instead of fla's
     # recomputing them there (kernels/fla_saved_states.py). false = fla's own autograd function.

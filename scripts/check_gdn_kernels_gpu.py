@@ -62,6 +62,10 @@ def implementations():
     if gdr.fla_unusable_reason() is None:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
 
+        # "fla" means fla's own kernels, as model.gdn_backend=fla runs them: with flash_qla
+        # installed, fla would otherwise hand the call to FlashQLA by itself
+        gdr._no_fla_flash_qla_dispatch()
+
         from kernels.fla_saved_states import chunk_gated_delta_rule_saved_states
 
         impls["fla"] = lambda q, k, v, g, b, cu: fla_chunk(q, k, v, g=g, beta=b, cu_seqlens=cu)[0]
