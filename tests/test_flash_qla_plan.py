@@ -40,3 +40,65 @@ def test_backend_name_is_checked():
 
     with pytest.raises(RuntimeError, match="gdn_backend=flash_qla cannot run"):
         gdn_backend("flash_qla")  # no CUDA here
+
+
+def _stand_in_flash_qla(monkeypatch):
+    """The one FlashQLA name the planning code builds (its context dataclass), without FlashQLA,
+    which needs an SM90 GPU to import."""
+    import dataclasses
+    import sys
+    import types
+
+    @dataclasses.dataclass
+    class FlashQLACPContext:
+        is_intra: bool = False
+        cu_seqlens: torch.Tensor | None = None
+        intra_cp_cu_seqlens: torch.Tensor | None = None
+        seq_map_r2c: torch.Tensor | None = None
+        seq_map_c2r: torch.Tensor | None = None
+        ht_mask: torch.Tensor | None = None
+        ht_mask_bwd: torch.Tensor | None = None
+
+    cp = types.ModuleType("flash_qla.ops.gated_delta_rule.chunk.cp")
+    cp.FlashQLACPContext = FlashQLACPContext
+    monkeypatch.setitem(sys.modules, "flash_qla.ops.gated_delta_rule.chunk.cp", cp)
+
+
+def test_graph_plan_recomputes_the_chunk_offsets_of_each_loaded_row(monkeypatch):
+    """layer_graphs.StaticBatch.load copies a row's cu_seqlens into the static buffer; the
+    multi-sample plan must then hand FlashQLA that row's chunk offsets (device ops only), the
+    chunk table the graphs keep, and a chunk count that bounds every row."""
+    _stand_in_flash_qla(monkeypatch)
+    seq, max_samples = 1024, 4
+    cu64 = torch.full((max_samples + 2,), seq, dtype=torch.int64)
+    chunks = torch.zeros((seq // qla.CHUNK + max_samples, 2), dtype=torch.int64)
+    plan = qla.StaticPlan(cu64, chunks, seq, max_samples, heads=16, one_segment=False)
+    assert not plan.plan.context.is_intra and plan.plan.cu_seqlens is cu64
+    for row in ([0, 100, 164, 1024], [0, 1024], [0, 1, 2, 3, 1024]):
+        cu64[: len(row)] = torch.tensor(row)
+        cu64[len(row):] = seq
+        plan.load()
+        prepared = cu64._flash_qla_prepared_varlen
+        offsets, total, _ = qla._chunk_table(cu64.tolist())
+        assert prepared[0] == qla.CHUNK and prepared[3] is chunks
+        assert torch.equal(prepared[1], offsets), row
+        assert prepared[2] == chunks.shape[0] >= total
+
+
+def test_one_sample_graph_plan_is_the_split_of_the_whole_row(monkeypatch):
+    _stand_in_flash_qla(monkeypatch)
+    monkeypatch.setattr(qla, "decide_split", lambda cu, heads: 16)  # FlashQLA's choice, stubbed
+    seq, max_samples = 8192, 3
+    cu64 = torch.full((max_samples + 2,), seq, dtype=torch.int64)
+    cu64[0] = 0
+    chunks = torch.zeros((seq // qla.CHUNK + max_samples, 2), dtype=torch.int64)
+    ctx = qla.StaticPlan(cu64, chunks, seq, max_samples, heads=16, one_segment=True).plan.context
+    assert ctx.is_intra and ctx.cu_seqlens is cu64
+    # 8 pieces of 1024 tokens, then one empty piece per empty padding segment
+    assert ctx.intra_cp_cu_seqlens.tolist() == list(range(0, seq, 1024)) + [seq] * 4
+    assert ctx.seq_map_c2r.tolist() == [0] * 8 + [1, 2, 3]
+    assert ctx.seq_map_r2c.tolist() == [0, 8, 9, 10, 11]
+    assert ctx.ht_mask.tolist() == [False] * 7 + [True] * 4
+    assert ctx.ht_mask_bwd.tolist() == [True] + [False] * 7 + [True] * 3
+    pieces_table = ctx.intra_cp_cu_seqlens._flash_qla_prepared_varlen
+    assert pieces_table[2] == 128 and pieces_table[1].tolist() == [16 * i for i in range(9)] + [128] * 3
