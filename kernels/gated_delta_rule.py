@@ -85,6 +85,7 @@ def gdn_backend(requested: str = "auto") -> str:
 FLA_FLASH_QLA_ENV = "FLA_FLASH_QLA"
 
 
+@functools.cache  # once per process: also called on the fla path of every delta-rule call
 def _no_fla_flash_qla_dispatch() -> None:
     """fla 0.6.0 hands its delta rule to FlashQLA by itself when flash_qla is installed. That path
     reads cu_seqlens on the host to choose its split and caches the choice per tensor object, so
@@ -231,6 +232,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, backend: str, varlen: G
         _warn_once(f"model.gdn_backend=flash_qla: {reason}; this call runs {backend}")
     if backend == "fla":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+
+        _no_fla_flash_qla_dispatch()  # "fla" means fla's own kernels, also for callers that skip gdn_backend()
 
         cu, chunk_indices = _fla_varlen(cu_seqlens, varlen)
         if save_states and torch.is_grad_enabled():
