@@ -427,6 +427,8 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = resolve_dtype(cfg.train.precision, rt)
 
     ours = run_ours(cfg, args.warmup, args.steps)
+    from kernels.gated_delta_rule import gdn_backend
+
     ab = ab_runs(args, out_dir, forced, rt) if args.ab else None
     gc.collect()
     if rt.is_cuda:
@@ -448,6 +450,8 @@ def main(argv: list[str] | None = None) -> dict:
         # real tokens / the tokens each step processes (pad included): how full the rows are
         "real_token_fraction": ours["tokens_per_s"] * ours["step_time_s"]
         / (cfg.train.global_batch_size * cfg.train.seq_length),
+        # the GDN delta-rule kernels our run used (model.gdn_backend resolved: flash_qla | fla | torch)
+        "gdn_kernels": gdn_backend(cfg.model.gdn_backend),
         "torch": torch.__version__,
     }
     if ab is not None:

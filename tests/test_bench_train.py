@@ -41,6 +41,7 @@ def test_bench_train_runs_both_frameworks_on_cpu(tmp_path, feed):
         assert _positive(res[key]), (key, res[key])
     assert res["device"] == "cpu" and res["config"] == "configs/qwen35_vl_proxy.yaml"
     assert res["hf_feed"] == feed and res["hf_gdn_kernels"] == "torch" and res["steps"] == 2
+    assert res["gdn_kernels"] == "torch"  # ours, on the CPU
     assert 0 < res["real_token_fraction"] <= 1 and "real tokens" in proc.stderr
     # both sides are credited the same real tokens and FLOPs, so the ratios agree
     assert res["speedup_vs_hf"] == pytest.approx(res["tokens_per_s"] / res["hf_tokens_per_s"])
