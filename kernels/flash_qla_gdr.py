@@ -141,7 +141,7 @@ class StaticPlan:
     split as FlashQLA would split it. Otherwise unsplit: segments vary, and a split would change
     the number of pieces; the chunk offsets are recomputed on the device by ``load``."""
 
-    def __init__(self, cu64: torch.Tensor, chunks: torch.Tensor, seq: int, max_samples: int, heads: int,
+    def __init__(self, cu64: torch.Tensor, chunks: torch.Tensor, seq: int, heads: int,
                  one_segment: bool):
         self.cu64 = cu64
         padded = [0] + [seq] * (cu64.numel() - 1)  # what load() leaves in cu64 for a one-sample row

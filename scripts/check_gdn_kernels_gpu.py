@@ -115,7 +115,7 @@ def _static_plan(cu, seq, heads, one_segment):
     n_cu = MAX_SAMPLES + 2
     cu64 = torch.full((n_cu,), seq, dtype=torch.int64, device="cuda")
     chunks = torch.zeros((seq // gdr.FLA_CHUNK_SIZE + MAX_SAMPLES, 2), dtype=torch.int64, device="cuda")
-    plan = qla.StaticPlan(cu64, chunks, seq, MAX_SAMPLES, heads, one_segment)
+    plan = qla.StaticPlan(cu64, chunks, seq, heads, one_segment)
     table = gdr.chunk_indices_host(cu.cpu()).cuda()
     cu64[: cu.numel()].copy_(cu)
     chunks[: table.shape[0]].copy_(table)

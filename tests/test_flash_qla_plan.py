@@ -72,7 +72,7 @@ def test_graph_plan_recomputes_the_chunk_offsets_of_each_loaded_row(monkeypatch)
     seq, max_samples = 1024, 4
     cu64 = torch.full((max_samples + 2,), seq, dtype=torch.int64)
     chunks = torch.zeros((seq // qla.CHUNK + max_samples, 2), dtype=torch.int64)
-    plan = qla.StaticPlan(cu64, chunks, seq, max_samples, heads=16, one_segment=False)
+    plan = qla.StaticPlan(cu64, chunks, seq, heads=16, one_segment=False)
     assert not plan.plan.context.is_intra and plan.plan.cu_seqlens is cu64
     for row in ([0, 100, 164, 1024], [0, 1024], [0, 1, 2, 3, 1024]):
         cu64[: len(row)] = torch.tensor(row)
@@ -92,7 +92,7 @@ def test_one_sample_graph_plan_is_the_split_of_the_whole_row(monkeypatch):
     cu64 = torch.full((max_samples + 2,), seq, dtype=torch.int64)
     cu64[0] = 0
     chunks = torch.zeros((seq // qla.CHUNK + max_samples, 2), dtype=torch.int64)
-    ctx = qla.StaticPlan(cu64, chunks, seq, max_samples, heads=16, one_segment=True).plan.context
+    ctx = qla.StaticPlan(cu64, chunks, seq, heads=16, one_segment=True).plan.context
     assert ctx.is_intra and ctx.cu_seqlens is cu64
     # 8 pieces of 1024 tokens, then one empty piece per empty padding segment
     assert ctx.intra_cp_cu_seqlens.tolist() == list(range(0, seq, 1024)) + [seq] * 4

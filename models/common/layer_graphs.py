@@ -67,7 +67,7 @@ class StaticBatch:
         if gdr.FLASH_QLA_HEADS is not None:
             from kernels.flash_qla_gdr import StaticPlan
 
-            self.qla = StaticPlan(self.cu64, self.chunks, seq, max_samples, gdr.FLASH_QLA_HEADS, one_segment)
+            self.qla = StaticPlan(self.cu64, self.chunks, seq, gdr.FLASH_QLA_HEADS, one_segment)
         self.params = PackedRowParams(
             qkv_format="thd", cu_seqlens_q=self.cu32, cu_seqlens_kv=self.cu32, cu_seqlens_q_padded=self.cu32,
             cu_seqlens_kv_padded=self.cu32, max_seqlen_q=seq, max_seqlen_kv=seq,
