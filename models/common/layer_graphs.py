@@ -43,6 +43,7 @@ import torch
 
 from kernels import gated_delta_rule as gdr
 from kernels.gated_delta_rule import FLA_CHUNK_SIZE, GDNVarlen
+from models.common.main_grad_add import add_into_main_grads
 from multimodal.context_parallel import PackedRowParams, cp_info, segment_boundaries
 
 log = logging.getLogger(__name__)
@@ -398,6 +399,7 @@ def graph_backward(graph: LayerGraph):
     out = getattr(graph.fwd, "latest", graph.static_out)
     grads = torch.autograd.grad(out, (graph.static_in, *graph.params), graph.static_grad_out, allow_unused=True)
     kept = [grads[0]]
+    mains, to_add = [], []
     for j, (p, g) in enumerate(zip(graph.params, grads[1:])):
         if j in graph.fused:
             # megatron's placeholder (an unwritten weight-sized tensor): kept as a static output it
@@ -406,10 +408,12 @@ def graph_backward(graph: LayerGraph):
             # on the H200 in session 8 (bf16 decoder linears: ~1.3G parameters).
             g = None
         elif graph.to_main_grad and g is not None and getattr(p, "main_grad", None) is not None:
-            p.main_grad.add_(g)  # replayed: main_grad += this micro-batch's gradient
+            mains.append(p.main_grad)  # replayed: main_grad += this micro-batch's gradient
+            to_add.append(g)
             graph.added.add(j)
             g = None
         kept.append(g)
+    add_into_main_grads(mains, to_add)  # the small ones in two kernels, not one each
     return tuple(kept)
 
 
