@@ -78,6 +78,7 @@ def test_a_cudnn_refusal_warns_once_and_falls_back(monkeypatch, caplog):
     monkeypatch.setattr(attn, "cudnn_dense_unavailable",
                         lambda q: attn._cudnn_refused[0] if attn._cudnn_refused else None)
     monkeypatch.setattr(attn, "_cudnn_refused", [])
+    monkeypatch.setattr(attn, "_cudnn_gqa_refused", [])
     q, k, v = _qkv()
     cu = torch.tensor([0, 48], dtype=torch.int32)
     with caplog.at_level(logging.WARNING, logger=attn.log.name):
@@ -88,6 +89,40 @@ def test_a_cudnn_refusal_warns_once_and_falls_back(monkeypatch, caplog):
     ref = attn.attention(q, k, v, causal=True, cu_seqlens=cu, max_seqlen=48, backend="sdpa")
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(again, ref)
+
+
+@pytest.mark.parametrize("gqa_accepted", [True, False])
+def test_cudnn_gets_grouped_kv_heads_unrepeated_unless_it_refuses_them(monkeypatch, caplog, gqa_accepted):
+    """The real _cudnn_dense with SDPA's cuDNN restriction lifted (no cuDNN on the CPU): grouped
+    heads go in as they are; a refusal of them (once) makes it repeat them, same numbers."""
+    import contextlib
+
+    import torch.nn.attention as nn_attn
+
+    monkeypatch.setattr(nn_attn, "sdpa_kernel", lambda backends: contextlib.nullcontext())
+    monkeypatch.setattr(attn, "_cudnn_gqa_refused", [])
+    seen = []
+    real = attn._sdpa_batched
+
+    def sdpa(q, k, v, causal, scale):
+        seen.append(k.shape[2])
+        if k.shape[2] != q.shape[2] and not gqa_accepted:
+            raise RuntimeError("No available kernel (grouped query attention)")
+        return real(q, k, v, causal, scale)
+
+    monkeypatch.setattr(attn, "_sdpa_batched", sdpa)
+    q, k, v = (t[None] for t in _qkv())  # 4 query heads, 2 k/v heads
+    with caplog.at_level(logging.WARNING, logger=attn.log.name):
+        out = attn._cudnn_dense(q, k, v, True, None)
+        again = attn._cudnn_dense(q, k, v, True, None)
+    ref = real(q, k.repeat_interleave(2, 2), v.repeat_interleave(2, 2), True, None)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(again, ref)
+    if gqa_accepted:
+        assert seen == [2, 2] and not attn._cudnn_gqa_refused
+    else:  # refused once, then repeated without asking again
+        assert seen == [2, 4, 4] and "grouped query" in attn._cudnn_gqa_refused[0]
+        assert sum("refused grouped k/v heads" in r.message for r in caplog.records) == 1
 
 
 def test_cudnn_is_not_used_off_cuda_or_in_fp32():

@@ -127,10 +127,23 @@ def _cudnn_device_reason(device_index: int) -> str | None:
     return None
 
 
+_cudnn_gqa_refused: list[str] = []  # set once cuDNN refused grouped k/v heads: repeat them from then on
+
+
 def _cudnn_dense(q, k, v, causal, scale):
-    """[B, S, H, D] through SDPA's cuDNN backend alone; None (after one warning) if cuDNN refuses."""
+    """[B, S, H, D] through SDPA's cuDNN backend alone; None (after one warning) if cuDNN refuses.
+    Grouped k/v heads go in as they are (the kernel reads each for its query heads; repeating
+    them cost a copy each way and a sum in the backward: ~0.7 ms of the 2B step on an H200); if
+    cuDNN refuses that, once, they are repeated."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    if k.shape[2] != q.shape[2] and not _cudnn_gqa_refused:
+        try:
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                return _sdpa_batched(q, k, v, causal, scale)
+        except RuntimeError as e:
+            _cudnn_gqa_refused.append(str(e).splitlines()[0][:200])
+            _warn_once(f"attention: cuDNN refused grouped k/v heads ({_cudnn_gqa_refused[0]}); repeating them")
     k, v = _repeat_kv(k, v, q.shape[2], dim=2)
     try:
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
