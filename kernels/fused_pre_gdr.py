@@ -17,6 +17,13 @@ pass over memory, and autograd keeps most intermediates. Here:
   at t..t+3 in registers measured 3.6x slower on the H200: its per-token-block reductions,
   not memory, bound it (docs/benchmarks/kernels.md).
 
+Whole-projection entry (``fused_pre_gdr_from_proj``, what the model uses): the Function takes
+in_proj's whole output [B, S, qkv | z | b | a] and returns z as a view of it. Its backward
+allocates one gradient of that shape; the kernels write dqkv (the fold), db and da into their
+columns through strides and dz is copied into its own. Splitting outside the Function instead
+made autograd's split backward cat the four gradients into a fresh tensor, one more read and
+write of dqkv, db, da per layer (an H200 profile: 18 cat kernels, 1.24 ms of a ~186 ms step).
+
 Packed rows (B == 1 with ``cu_seqlens``): the conv reads and the tap folding never cross a
 sample boundary. A small kernel first tabulates every token's sample bounds from cu_seqlens on
 the device (no host sync), once per call; the forward, backward and fold kernels read that table.
@@ -260,19 +267,21 @@ if triton is not None:
 
     @triton.autotune(configs=_configs((8, 2), (8, 4), (16, 4), (16, 2)),
                      key=["C", "NK", "NV", "K", "V", "VARLEN", "TPP"])
-    @triton.jit(do_not_specialize=["S", "sxb", "sbb", "sab"])
+    @triton.jit(do_not_specialize=["S", "sxb", "sbb", "sab", "sdbb", "sdab"])
     def _pre_gdr_bwd(
         x_ptr, w_ptr, b_ptr, a_ptr, alog_ptr, dt_ptr, bnd_ptr,
         dq_ptr, dk_ptr, dv_ptr, dg_ptr, dbeta_ptr,
         du_ptr, db_ptr, da_ptr, dw_part, dalog_part, ddt_part,
-        S, sxb, sxs, sbb, sbs, sab, sas,
+        S, sxb, sxs, sbb, sbs, sab, sas, sdbb, sdbs, sdab, sdas,
         C: tl.constexpr, NK: tl.constexpr, NV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
         VARLEN: tl.constexpr, BLOCK_C: tl.constexpr, TPP: tl.constexpr,
         BLOCK_T: tl.constexpr,
     ):
         # phase 1 of the backward: du per head (q/k: l2-norm and SiLU backward, v: SiLU backward),
         # dw partials, and the gate gradients. Each program owns TPP tokens (fixed by the caller, so
-        # the partial-sum buffers do not depend on the tuned BLOCK_T) of one head.
+        # the partial-sum buffers do not depend on the tuned BLOCK_T) of one head. db and da are
+        # written through their own (batch, token) strides: columns of the whole in_proj gradient
+        # (fused_pre_gdr_from_proj) or their own contiguous tensors.
         pid_t, head, bi = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
         n_pt = tl.num_programs(0)
         REP: tl.constexpr = NV // NK
@@ -298,21 +307,23 @@ if triton is not None:
                 o = (bi * S + s) * NV + hv
                 beta = tl.sigmoid(tl.load(b_ptr + bi * sbb + s * sbs + hv, mask=smask, other=0.0).to(tl.float32))
                 dbeta = tl.load(dbeta_ptr + o, mask=smask, other=0.0).to(tl.float32)
-                tl.store(db_ptr + o, (dbeta * beta * (1.0 - beta)).to(db_ptr.dtype.element_ty), mask=smask)
+                tl.store(db_ptr + bi * sdbb + s * sdbs + hv, (dbeta * beta * (1.0 - beta)).to(db_ptr.dtype.element_ty),
+                         mask=smask)
                 xa = tl.load(a_ptr + bi * sab + s * sas + hv, mask=smask, other=0.0).to(tl.float32) + dt
                 dg = tl.load(dg_ptr + o, mask=smask, other=0.0)
                 da = tl.where(smask, -dg * e_a * tl.sigmoid(xa), 0.0)
-                tl.store(da_ptr + o, da.to(da_ptr.dtype.element_ty), mask=smask)
+                tl.store(da_ptr + bi * sdab + s * sdas + hv, da.to(da_ptr.dtype.element_ty), mask=smask)
                 acc_alog += tl.where(smask, -dg * e_a * _softplus(xa), 0.0)
                 acc_dt += da
             tl.store(dalog_part + (bi * n_pt + pid_t) * NV + hv, tl.sum(acc_alog, axis=0))
             tl.store(ddt_part + (bi * n_pt + pid_t) * NV + hv, tl.sum(acc_dt, axis=0))
 
 
-    @triton.jit(do_not_specialize=["S"])
-    def _conv_fold(du_ptr, w_ptr, bnd_ptr, dx_ptr, S, C: tl.constexpr, VARLEN: tl.constexpr,
+    @triton.jit(do_not_specialize=["S", "sdxb"])
+    def _conv_fold(du_ptr, w_ptr, bnd_ptr, dx_ptr, S, sdxb, sdxs, C: tl.constexpr, VARLEN: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-        """Phase 2: dx[t] = sum_j w[3-j] du[t+j], taps inside t's sample only (the conv's transpose)."""
+        """Phase 2: dx[t] = sum_j w[3-j] du[t+j], taps inside t's sample only (the conv's transpose).
+        dx is written through its (batch, token) strides, so it can be columns of a wider tensor."""
         bi = tl.program_id(2).to(tl.int64)
         s = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -324,7 +335,7 @@ if triton is not None:
             w = tl.load(w_ptr + c * 4 + (3 - j), mask=cmask, other=0.0).to(tl.float32)
             m = (smask & (s + j < end))[:, None] & cmask[None, :]
             dx += w[None, :] * tl.load(row + j * C, mask=m, other=0.0).to(tl.float32)
-        tl.store(dx_ptr + (bi * S + s[:, None]) * C + c[None, :], dx.to(dx_ptr.dtype.element_ty),
+        tl.store(dx_ptr + bi * sdxb + s[:, None] * sdxs + c[None, :], dx.to(dx_ptr.dtype.element_ty),
                  mask=smask[:, None] & cmask[None, :])
 
 
@@ -346,30 +357,72 @@ def _sample_bounds_table(cu_seqlens, S: int, ref: torch.Tensor) -> torch.Tensor:
     return bounds
 
 
+def _forward(qkv, b, a, weight, A_log, dt_bias, cu_seqlens, nk, K, V):
+    """The forward kernel on [B, S, N] views with unit channel stride: q, k, v, g, beta and the
+    sample-bounds table the backward reuses."""
+    B, S, C = qkv.shape
+    nv = b.shape[-1]
+    if cu_seqlens is not None and B != 1:
+        raise ValueError("packed (cu_seqlens) input needs one row (B == 1)")
+    dev = qkv.device
+    q = torch.empty(B, S, nv, K, device=dev, dtype=qkv.dtype)
+    k = torch.empty_like(q)
+    v = torch.empty(B, S, nv, V, device=dev, dtype=qkv.dtype)
+    g = torch.empty(B, S, nv, device=dev, dtype=torch.float32)
+    beta = torch.empty(B, S, nv, device=dev, dtype=b.dtype)
+    bounds = _sample_bounds_table(cu_seqlens, S, qkv)
+    if B * S:
+        grid = lambda meta: (triton.cdiv(S, meta["BLOCK_T"]), 2 * nk + nv, B)  # noqa: E731
+        _pre_gdr_fwd[grid](
+            qkv, weight, b, a, A_log, dt_bias, bounds, q, k, v, g, beta,
+            S, qkv.stride(0), qkv.stride(1), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
+            C=C, NK=nk, NV=nv, K=K, V=V, VARLEN=cu_seqlens is not None,
+            BLOCK_C=triton.next_power_of_2(max(K, V)),
+        )
+    return q, k, v, g, beta, bounds
+
+
+def _backward(qkv, b, a, weight, A_log, dt_bias, bounds, varlen, nk, K, V, dq, dk, dv, dg, dbeta, dx, db, da):
+    """Both backward kernels. Writes dx [B, S, C], db and da [B, S, nv] in place, each any view with
+    unit channel stride (the kernels take their batch and token strides); returns dw, dA_log, ddt_bias."""
+    B, S, C = qkv.shape
+    nv = b.shape[-1]
+    if B * S == 0:
+        return torch.zeros_like(weight), torch.zeros_like(A_log), torch.zeros_like(dt_bias)
+    dq, dk, dv, dbeta = (t.contiguous() for t in (dq, dk, dv, dbeta))
+    dg = dg.float().contiguous()
+    tpp = _tokens_per_program(S, B * (2 * nk + nv))
+    n_pt = triton.cdiv(S, tpp)
+    # partial sums per (row, token program): every entry is written once by its program
+    dw_part = torch.empty(B * n_pt, C, 4, device=qkv.device, dtype=torch.float32)
+    alog_part = torch.empty(B * n_pt, nv, device=qkv.device, dtype=torch.float32)
+    dt_part = torch.empty(B * n_pt, nv, device=qkv.device, dtype=torch.float32)
+    # phase 1: du (in the input dtype: the fold below is a 4-term sum) and all parameter partials
+    du = torch.empty(B, S, C, device=qkv.device, dtype=qkv.dtype)
+    _pre_gdr_bwd[(n_pt, 2 * nk + nv, B)](
+        qkv, weight, b, a, A_log, dt_bias, bounds, dq, dk, dv, dg, dbeta, du, db, da, dw_part, alog_part, dt_part,
+        S, qkv.stride(0), qkv.stride(1), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
+        db.stride(0), db.stride(1), da.stride(0), da.stride(1),
+        C=C, NK=nk, NV=nv, K=K, V=V, VARLEN=varlen,
+        BLOCK_C=triton.next_power_of_2(max(K, V)), TPP=tpp,
+    )
+    # phase 2: fold the taps back onto the conv input
+    bt = 32 if interpreting() else 16  # 16 x 128 with 2 warps: best of the H200 sweep (session 8)
+    _conv_fold[(triton.cdiv(S, bt), triton.cdiv(C, 128), B)](
+        du, weight, bounds, dx, S, dx.stride(0), dx.stride(1), C=C, VARLEN=varlen, BLOCK_T=bt, BLOCK_C=128,
+        num_warps=2,
+    )
+    return dw_part.sum(0).to(weight.dtype), alog_part.sum(0).to(A_log.dtype), dt_part.sum(0).to(dt_bias.dtype)
+
+
 class _FusedPreGDR(torch.autograd.Function):
+    """qkv, b, a given separately; the backward returns a gradient for each."""
+
     @staticmethod
     def forward(ctx, qkv, b, a, weight, A_log, dt_bias, cu_seqlens, nk, K, V):
         qkv, b, a = _row_view(qkv), _row_view(b), _row_view(a)
         weight = weight.contiguous()
-        B, S, C = qkv.shape
-        nv = b.shape[-1]
-        if cu_seqlens is not None and B != 1:
-            raise ValueError("packed (cu_seqlens) input needs one row (B == 1)")
-        dev = qkv.device
-        q = torch.empty(B, S, nv, K, device=dev, dtype=qkv.dtype)
-        k = torch.empty_like(q)
-        v = torch.empty(B, S, nv, V, device=dev, dtype=qkv.dtype)
-        g = torch.empty(B, S, nv, device=dev, dtype=torch.float32)
-        beta = torch.empty(B, S, nv, device=dev, dtype=b.dtype)
-        bounds = _sample_bounds_table(cu_seqlens, S, qkv)
-        if B * S:
-            grid = lambda meta: (triton.cdiv(S, meta["BLOCK_T"]), 2 * nk + nv, B)  # noqa: E731
-            _pre_gdr_fwd[grid](
-                qkv, weight, b, a, A_log, dt_bias, bounds, q, k, v, g, beta,
-                S, qkv.stride(0), qkv.stride(1), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
-                C=C, NK=nk, NV=nv, K=K, V=V, VARLEN=cu_seqlens is not None,
-                BLOCK_C=triton.next_power_of_2(max(K, V)),
-            )
+        q, k, v, g, beta, bounds = _forward(qkv, b, a, weight, A_log, dt_bias, cu_seqlens, nk, K, V)
         ctx.save_for_backward(qkv, b, a, weight, A_log, dt_bias, bounds)
         ctx.varlen = cu_seqlens is not None
         ctx.dims = (nk, K, V)
@@ -378,41 +431,59 @@ class _FusedPreGDR(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dq, dk, dv, dg, dbeta):
         qkv, b, a, weight, A_log, dt_bias, bounds = ctx.saved_tensors
-        nk, K, V = ctx.dims
-        B, S, C = qkv.shape
-        nv = b.shape[-1]
-        dq, dk, dv, dbeta = (t.contiguous() for t in (dq, dk, dv, dbeta))
-        dg = dg.float().contiguous()
-        dx = torch.empty(B, S, C, device=qkv.device, dtype=qkv.dtype)
-        db = torch.empty(B, S, nv, device=qkv.device, dtype=b.dtype)
-        da = torch.empty(B, S, nv, device=qkv.device, dtype=a.dtype)
-        if B * S == 0:
-            return (torch.zeros_like(qkv), torch.zeros_like(b), torch.zeros_like(a), torch.zeros_like(weight),
-                    torch.zeros_like(A_log), torch.zeros_like(dt_bias), None, None, None, None)
-        tpp = _tokens_per_program(S, B * (2 * nk + nv))
-        n_pt = triton.cdiv(S, tpp)
-        # partial sums per (row, token program): every entry is written once by its program
-        dw_part = torch.empty(B * n_pt, C, 4, device=qkv.device, dtype=torch.float32)
-        alog_part = torch.empty(B * n_pt, nv, device=qkv.device, dtype=torch.float32)
-        dt_part = torch.empty(B * n_pt, nv, device=qkv.device, dtype=torch.float32)
-        # phase 1: du (in the input dtype: the fold below is a 4-term sum) and all parameter partials
-        du = torch.empty(B, S, C, device=qkv.device, dtype=qkv.dtype)
-        _pre_gdr_bwd[(n_pt, 2 * nk + nv, B)](
-            qkv, weight, b, a, A_log, dt_bias, bounds, dq, dk, dv, dg, dbeta, du, db, da, dw_part, alog_part, dt_part,
-            S, qkv.stride(0), qkv.stride(1), b.stride(0), b.stride(1), a.stride(0), a.stride(1),
-            C=C, NK=nk, NV=nv, K=K, V=V, VARLEN=ctx.varlen,
-            BLOCK_C=triton.next_power_of_2(max(K, V)), TPP=tpp,
-        )
-        # phase 2: fold the taps back onto the conv input
-        bt = 32 if interpreting() else 16  # 16 x 128 with 2 warps: best of the H200 sweep (session 8)
-        _conv_fold[(triton.cdiv(S, bt), triton.cdiv(C, 128), B)](
-            du, weight, bounds, dx, S, C=C, VARLEN=ctx.varlen, BLOCK_T=bt, BLOCK_C=128, num_warps=2,
-        )
-        dw = dw_part.sum(0).to(weight.dtype)
-        dalog = alog_part.sum(0).to(A_log.dtype)
-        ddt = dt_part.sum(0).to(dt_bias.dtype)
+        dx, db, da = (torch.empty(t.shape, device=t.device, dtype=t.dtype) for t in (qkv, b, a))
+        dw, dalog, ddt = _backward(qkv, b, a, weight, A_log, dt_bias, bounds, ctx.varlen, *ctx.dims,
+                                   dq, dk, dv, dg, dbeta, dx, db, da)
         return dx, db, da, dw, dalog, ddt, None, None, None, None
 
+
+class _FusedPreGDRFromProj(torch.autograd.Function):
+    """The whole in_proj output [B, S, qkv | z | b | a] in, one gradient tensor of that shape out.
+
+    With the split done outside (``fused_pre_gdr`` on torch.split views), autograd's split backward
+    concatenates dqkv, dz, db, da into a fresh tensor: a cat kernel per layer and a second
+    [B, S, D] buffer. Here the kernels write dqkv, db and da straight into their columns of one
+    buffer, and dz is copied into its columns."""
+
+    @staticmethod
+    def forward(ctx, proj, weight, A_log, dt_bias, cu_seqlens, nk, K, V, nv):
+        proj = _row_view(proj)
+        C, vd = 2 * nk * K + nv * V, nv * V
+        if proj.shape[-1] != C + vd + 2 * nv:
+            raise ValueError(f"in_proj width {proj.shape[-1]} is not 2*{nk}*{K} + 2*{nv}*{V} + 2*{nv}")
+        qkv, z, b, a = torch.split(proj, [C, vd, nv, nv], dim=-1)
+        weight = weight.contiguous()
+        q, k, v, g, beta, bounds = _forward(qkv, b, a, weight, A_log, dt_bias, cu_seqlens, nk, K, V)
+        ctx.save_for_backward(proj, weight, A_log, dt_bias, bounds)
+        ctx.varlen = cu_seqlens is not None
+        ctx.dims = (nk, K, V, nv)
+        # z is returned as a view of the input, not a copy: autograd supports view outputs of a
+        # custom Function (its gradient still arrives here as dz, and it shares proj's memory as the
+        # torch.split view did before). The one restriction, an error on in-place changes to z or to
+        # a view of it, does not bind: the gated norm only reads it. A copy would cost a [B, S, vd]
+        # write per layer, which is what this Function exists to save.
+        return q, k, v, g, beta, z
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv, dg, dbeta, dz):
+        proj, weight, A_log, dt_bias, bounds = ctx.saved_tensors
+        nk, K, V, nv = ctx.dims
+        C, vd = 2 * nk * K + nv * V, nv * V
+        qkv, _, b, a = torch.split(proj, [C, vd, nv, nv], dim=-1)
+        # the gradient takes proj's strides (empty_like keeps a dense layout): for the [B, S, D]
+        # transpose of in_proj's [S, B, D] output, its transpose back is contiguous for in_proj's
+        # backward
+        dproj = torch.empty_like(proj)
+        if dproj.stride(-1) != 1:
+            dproj = torch.empty(proj.shape, device=proj.device, dtype=proj.dtype)
+        dx, dzs, db, da = torch.split(dproj, [C, vd, nv, nv], dim=-1)
+        if dz is None:  # no gradient reached z (autograd materialises one as zeros by default): zeros
+            dzs.zero_()
+        else:
+            dzs.copy_(dz)
+        dw, dalog, ddt = _backward(qkv, b, a, weight, A_log, dt_bias, bounds, ctx.varlen, nk, K, V,
+                                   dq, dk, dv, dg, dbeta, dx, db, da)
+        return dproj, dw, dalog, ddt, None, None, None, None, None
 
 
 def _tokens_per_program(S: int, rows: int) -> int:
@@ -427,6 +498,16 @@ def fused_pre_gdr(qkv, b, a, weight, A_log, dt_bias, cu_seqlens, num_k_heads: in
                   head_v_dim: int):
     """Same inputs and outputs as ``pre_gdr_reference``, through the fused Triton kernels."""
     return _FusedPreGDR.apply(qkv, b, a, weight, A_log, dt_bias, cu_seqlens, num_k_heads, head_k_dim, head_v_dim)
+
+
+def fused_pre_gdr_from_proj(proj, weight, A_log, dt_bias, cu_seqlens, num_k_heads: int, head_k_dim: int,
+                            head_v_dim: int, num_v_heads: int):
+    """``fused_pre_gdr`` on the whole in_proj output ``proj`` [B, S, qkv | z | b | a] (widths
+    2*nk*K + nv*V, nv*V, nv, nv; any view with unit channel stride, e.g. the transpose of
+    [S, B, D]). Returns q, k, v, g, beta as ``fused_pre_gdr`` and z [B, S, nv*V], a view of proj.
+    proj's gradient is one tensor the backward kernels write in place: no cat after them."""
+    return _FusedPreGDRFromProj.apply(proj, weight, A_log, dt_bias, cu_seqlens, num_k_heads, head_k_dim, head_v_dim,
+                                      num_v_heads)
 
 
 @functools.cache

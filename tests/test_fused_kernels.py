@@ -237,8 +237,9 @@ def _model_check() -> dict:
     ps.initialize_model_parallel(1, 1)
     from kernels import fused_swiglu as fs
 
-    calls = {"mrope": 0, "pre_gdr": 0, "swiglu": 0}
+    calls = {"mrope": 0, "pre_gdr": 0, "pre_gdr_proj": 0, "swiglu": 0}
     real_mrope, real_pre, real_swiglu = fm.fused_mrope, fp.fused_pre_gdr, fs.swiglu
+    real_pre_proj = fp.fused_pre_gdr_from_proj
 
     def count(name, fn):
         def wrapped(*a, **k):
@@ -247,6 +248,7 @@ def _model_check() -> dict:
         return wrapped
 
     fm.fused_mrope, fp.fused_pre_gdr = count("mrope", real_mrope), count("pre_gdr", real_pre)
+    fp.fused_pre_gdr_from_proj = count("pre_gdr_proj", real_pre_proj)
     fs.swiglu = count("swiglu", real_swiglu)
     loss_f, grads_f = _proxy_loss_and_grads(["model.fused_mrope=true", "model.gdn_pre_impl=fused",
                                              "model.fused_swiglu=true"])
@@ -260,8 +262,9 @@ def _model_check() -> dict:
 def test_model_runs_both_fused_kernels_and_matches_the_pytorch_path(interp_runs):
     r = interp_runs["model"]
     # mRoPE: one call for q and k together in the attention layer and in each of the 2 vision
-    # blocks; pre-GDR: the GDN layer; SwiGLU: both layers' MLPs (through megatron's MLP)
-    assert r["calls"] == {"mrope": 3, "pre_gdr": 1, "swiglu": 2}
+    # blocks; pre-GDR: the GDN layer, through the whole-projection entry (no split outside it);
+    # SwiGLU: both layers' MLPs (through megatron's MLP)
+    assert r["calls"] == {"mrope": 3, "pre_gdr": 0, "pre_gdr_proj": 1, "swiglu": 2}
     assert r["same_params"]
     assert abs(r["loss_fused"] - r["loss_unfused"]) <= 1e-5 * abs(r["loss_unfused"])
     # A_log / dt_bias sum dg over tokens through the delta rule: ulp-level changes in g add up there

@@ -135,13 +135,14 @@ class Qwen35GatedDeltaNet(GatedDeltaNet):
         return reason is None
 
     def _prepare_fused(self, proj: torch.Tensor, cu_seqlens: torch.Tensor | None):
-        """prepare() in one Triton kernel each way. q|k|v are adjacent in in_proj's output, so the
-        kernel reads them in place through the [B, S, D] view: no copy before it."""
-        qk, vd, nv = self.qk_dim_local_tp, self.v_dim_local_tp, self.num_v_heads_local_tp
-        qkv, z, b, a = torch.split(proj.transpose(0, 1), [2 * qk + vd, vd, nv, nv], dim=-1)
-        q, k, v, g, beta = fused_pre_gdr.fused_pre_gdr(
-            qkv, b, a, self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias, cu_seqlens,
-            qk // self.key_head_dim, self.key_head_dim, self.value_head_dim,
+        """prepare() in one Triton kernel each way. The kernels read q|k|v, b and a in place through
+        the [B, S, D] view of in_proj's output (no copy before them), and the Function takes that
+        whole view, so its backward writes proj's gradient as one tensor (no cat of dqkv, dz, db,
+        da after it). z comes back as a view of proj."""
+        nv = self.num_v_heads_local_tp
+        q, k, v, g, beta, z = fused_pre_gdr.fused_pre_gdr_from_proj(
+            proj.transpose(0, 1), self.conv1d.weight.squeeze(1), self.A_log, self.dt_bias, cu_seqlens,
+            self.qk_dim_local_tp // self.key_head_dim, self.key_head_dim, self.value_head_dim, nv,
         )
         return q, k, v, g, beta, z.reshape(*z.shape[:2], nv, self.value_head_dim)
 
