@@ -19,7 +19,7 @@ import functools
 import importlib.util
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -162,36 +162,33 @@ def chunk_indices_host(cu_seqlens: torch.Tensor, chunk_size: int = FLA_CHUNK_SIZ
     return torch.stack([sample, torch.arange(sample.numel()) - first_chunk[sample]], 1)
 
 
-# value heads per GDN layer on this rank while the flash_qla backend runs (set by the model
-# build, kernels.gated_delta_rule.plan_flash_qla): GDNVarlen.from_host then plans FlashQLA's split
-FLASH_QLA_HEADS: int | None = None
-
-
-def plan_flash_qla(heads: int | None) -> None:
-    global FLASH_QLA_HEADS
-    FLASH_QLA_HEADS = heads
-
-
 @dataclass
 class GDNVarlen:
-    """A packed micro-batch's varlen metadata for fla, on the device, shared by every GDN layer:
+    """A packed micro-batch's varlen metadata, on the device, shared by every GDN layer:
     ``cu_seqlens`` as int64 (one tensor object, so fla's per-tensor caches hit after the first
-    layer) and ``chunk_indices`` from ``chunk_indices_host``; ``qla``: FlashQLA's plan
-    (kernels/flash_qla_gdr.py) when that backend runs."""
+    layer) and ``chunk_indices`` from ``chunk_indices_host``. For the flash_qla backend:
+    ``cu_host``, the same boundaries on the host, from which ``flash_qla_plan`` builds FlashQLA's
+    plan at the first GDN call that wants it (no device read), or ``qla``, a plan given up front
+    (the CUDA graphs' fixed-shape one, models/common/layer_graphs.StaticBatch)."""
 
     cu_seqlens: torch.Tensor
     chunk_indices: torch.Tensor
     qla: object | None = None
+    cu_host: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
     def from_host(cls, cu_seqlens: torch.Tensor, device) -> "GDNVarlen":
-        out = cls(to_device_async(cu_seqlens.to(torch.long), device),
-                  to_device_async(chunk_indices_host(cu_seqlens), device))
-        if FLASH_QLA_HEADS is not None:
+        return cls(to_device_async(cu_seqlens.to(torch.long), device),
+                   to_device_async(chunk_indices_host(cu_seqlens), device), cu_host=cu_seqlens)
+
+    def flash_qla_plan(self, heads: int):
+        """FlashQLA's plan for this row (kernels/flash_qla_gdr.py), None without host boundaries.
+        Every GDN layer of a rank has the same head count, so the first call's plan serves all."""
+        if self.qla is None and self.cu_host is not None:
             from kernels.flash_qla_gdr import plan_from_host
 
-            out.qla = plan_from_host(cu_seqlens, out.cu_seqlens, FLASH_QLA_HEADS)
-        return out
+            self.qla = plan_from_host(self.cu_host, self.cu_seqlens, heads)
+        return self.qla
 
 
 def _fla_varlen(cu_seqlens: torch.Tensor | None, varlen: GDNVarlen | None):
@@ -225,8 +222,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, backend: str, varlen: G
         if reason is None:
             plan = None
             if cu_seqlens is not None:
-                plan = varlen.qla if varlen is not None and varlen.qla is not None else \
-                    flash_qla_gdr.plan_from_host(cu_seqlens.cpu(), cu_seqlens.long(), v.shape[2])  # syncs
+                plan = None if varlen is None else varlen.flash_qla_plan(v.shape[2])
+                if plan is None:  # a caller without the host boundaries: read them (a sync)
+                    plan = flash_qla_gdr.plan_from_host(cu_seqlens.cpu(), cu_seqlens.long(), v.shape[2])
             return flash_qla_gdr.chunk_gated_delta_rule(q, k, v, g, beta, plan)
         backend = "fla" if fla_unusable_reason() is None else "torch"
         _warn_once(f"model.gdn_backend=flash_qla: {reason}; this call runs {backend}")

@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     args = ap.parse_intermixed_args(argv)
     from kernels.gated_delta_rule import chunk_gated_delta_rule
     from models.common.attention import attention
-    from models.common.layer_graphs import StaticBatch
+    from models.common.layer_graphs import StaticBatch, flash_qla_heads
     from models.qwen35_vl.attention import MRopeSelfAttention
     from models.qwen35_vl.mrope import mrope_angles
     from multimodal.forward_step import packed_seq_params
@@ -83,9 +83,10 @@ def main(argv=None) -> int:
     pos = batch["position_ids"]
     lm = model.language_model
     rope = pos if lm.fused_mrope else mrope_angles(pos, lm.mrope_inv_freq, lm.mrope_axis).transpose(0, 1).unsqueeze(2)
-    static = StaticBatch(t.seq_length, t.cuda_graph_max_samples, rope, "cuda")
-    static.load(params, rope)
     layers = list(model.language_model.decoder.layers)
+    static = StaticBatch(t.seq_length, t.cuda_graph_max_samples, rope, "cuda",
+                         flash_qla_heads=flash_qla_heads(layers))  # as the trainer's graphs
+    static.load(params, rope)
     gdn = next(layer for layer in layers if not isinstance(layer.self_attention, MRopeSelfAttention))
     full = next(layer for layer in layers if isinstance(layer.self_attention, MRopeSelfAttention))
     x = (torch.randn(t.seq_length, 1, m.hidden_size, device="cuda") * 0.5).bfloat16().requires_grad_()

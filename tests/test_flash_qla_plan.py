@@ -102,3 +102,41 @@ def test_one_sample_graph_plan_is_the_split_of_the_whole_row(monkeypatch):
     assert ctx.ht_mask_bwd.tolist() == [True] + [False] * 7 + [True] * 3
     pieces_table = ctx.intra_cp_cu_seqlens._flash_qla_prepared_varlen
     assert pieces_table[2] == 128 and pieces_table[1].tolist() == [16 * i for i in range(9)] + [128] * 3
+
+
+def test_eager_rows_plan_lazily_from_their_host_boundaries_once(monkeypatch):
+    """The trainer's GDNVarlen keeps the host cu_seqlens; the first FlashQLA call plans from them
+    (no device read), later layers reuse that plan, and a plan given up front (the graphs') wins."""
+    from kernels.gated_delta_rule import GDNVarlen
+
+    calls = []
+
+    def fake_plan(cu_host, cu_dev, heads):
+        calls.append((cu_host.tolist(), cu_dev.device.type, heads))
+        return ("plan", heads)
+
+    monkeypatch.setattr(qla, "plan_from_host", fake_plan)
+    cu = torch.tensor([0, 100, 300], dtype=torch.int32)
+    varlen = GDNVarlen.from_host(cu, "cpu")
+    assert calls == []  # nothing planned for backends that never ask
+    assert varlen.flash_qla_plan(16) == ("plan", 16)
+    assert varlen.flash_qla_plan(16) == ("plan", 16)
+    assert calls == [([0, 100, 300], "cpu", 16)]
+    fixed = GDNVarlen(varlen.cu_seqlens, varlen.chunk_indices, qla="static plan")
+    assert fixed.flash_qla_plan(16) == "static plan"
+    assert GDNVarlen(varlen.cu_seqlens, varlen.chunk_indices).flash_qla_plan(16) is None
+
+
+def test_graphs_find_the_flash_qla_head_count_in_the_layers():
+    from models.common.layer_graphs import flash_qla_heads
+
+    class GDN(torch.nn.Module):
+        def __init__(self, backend):
+            super().__init__()
+            self.kernel_backend, self.num_v_heads_local_tp = backend, 16
+
+    def layers(backend):
+        return [torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.nn.Sequential(GDN(backend))]
+
+    assert flash_qla_heads(layers("flash_qla")) == 16
+    assert flash_qla_heads(layers("fla")) is None

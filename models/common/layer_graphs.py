@@ -41,7 +41,6 @@ from collections import Counter
 
 import torch
 
-from kernels import gated_delta_rule as gdr
 from kernels.gated_delta_rule import FLA_CHUNK_SIZE, GDNVarlen
 from models.common.main_grad_add import add_into_main_grads
 from multimodal.context_parallel import PackedRowParams, cp_info, segment_boundaries
@@ -54,9 +53,11 @@ class StaticBatch:
     """Fixed-shape device buffers for one packed row of ``seq`` tokens with at most
     ``max_samples`` segments; ``load`` fills them from a micro-batch's PackedRowParams."""
 
-    def __init__(self, seq: int, max_samples: int, rope: torch.Tensor, device, one_segment: bool = False):
+    def __init__(self, seq: int, max_samples: int, rope: torch.Tensor, device, one_segment: bool = False,
+                 flash_qla_heads: int | None = None):
         """``one_segment``: metadata for rows that hold one sample; ``max_seqlen`` is then exact
-        and attention may take its offset-free path (PackedRowParams.one_segment)."""
+        and attention may take its offset-free path (PackedRowParams.one_segment).
+        ``flash_qla_heads``: the GDN layers' value heads when they run FlashQLA (its fixed plan)."""
         self.seq, self.max_samples = seq, max_samples
         n_cu = max_samples + 2  # segment ``max_samples`` is always empty: the padding rows' target
         self.cu32 = torch.full((n_cu,), seq, dtype=torch.int32, device=device)
@@ -65,10 +66,10 @@ class StaticBatch:
         self.chunks = torch.zeros((seq // FLA_CHUNK_SIZE + max_samples, 2), dtype=torch.int64, device=device)
         self.rope = torch.zeros_like(rope)
         self.qla = None  # FlashQLA's fixed-shape plan, when that GDN backend runs
-        if gdr.FLASH_QLA_HEADS is not None:
+        if flash_qla_heads is not None:
             from kernels.flash_qla_gdr import StaticPlan
 
-            self.qla = StaticPlan(self.cu64, self.chunks, seq, gdr.FLASH_QLA_HEADS, one_segment)
+            self.qla = StaticPlan(self.cu64, self.chunks, seq, flash_qla_heads, one_segment)
         self.params = PackedRowParams(
             qkv_format="thd", cu_seqlens_q=self.cu32, cu_seqlens_kv=self.cu32, cu_seqlens_q_padded=self.cu32,
             cu_seqlens_kv_padded=self.cu32, max_seqlen_q=seq, max_seqlen_kv=seq,
@@ -291,7 +292,7 @@ class DecoderGraphs:
     # ------------------------------------------------------------------ capture
     def _try_capture(self, hidden, kw, kind: str) -> str | None:
         static = StaticBatch(hidden.shape[0], self.max_samples, kw["rotary_pos_emb"], hidden.device,
-                             one_segment=kind == ONE_SEGMENT)
+                             one_segment=kind == ONE_SEGMENT, flash_qla_heads=flash_qla_heads(self.layers))
         reason = static.refusal(kw["packed_seq_params"], kw["rotary_pos_emb"])
         if reason is not None:
             return reason
@@ -386,6 +387,16 @@ def _warm_fused_wgrad(modules, hidden) -> None:
         x = torch.zeros(tokens, shape[1], dtype=hidden.dtype, device=hidden.device)
         g = torch.zeros(tokens, shape[0], dtype=hidden.dtype, device=hidden.device)
         wgrad_gemm_accum_fp32(x, g, torch.zeros(shape, dtype=torch.float32, device=hidden.device))
+
+
+def flash_qla_heads(layers) -> int | None:
+    """The value heads of the layers' GDN modules when they run FlashQLA, else None (the graphs
+    then give FlashQLA a fixed-shape plan, kernels/flash_qla_gdr.StaticPlan)."""
+    for layer in layers:
+        for module in layer.modules():
+            if getattr(module, "kernel_backend", None) == "flash_qla":
+                return module.num_v_heads_local_tp
+    return None
 
 
 def graph_backward(graph: LayerGraph):

@@ -31,11 +31,9 @@ class Qwen35GatedDeltaNet(GatedDeltaNet):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        # with flash_qla, FlashQLA's split is planned on the host from the micro-batch's
+        # boundaries at the first GDN call (GDNVarlen.flash_qla_plan); the graphs hold a fixed plan
         self.kernel_backend = gdr.gdn_backend(self.gdn_backend_request)
-        # with flash_qla the trainer plans FlashQLA's split per micro-batch on the host
-        # (GDNVarlen.from_host); the head count only steers that choice (under CP a rank runs fewer
-        # heads: still valid). Reset otherwise, so a later model in the same process plans nothing.
-        gdr.plan_flash_qla(self.num_v_heads_local_tp if self.kernel_backend == "flash_qla" else None)
 
     def forward(self, hidden_states, attention_mask=None, inference_context=None, packed_seq_params=None,
                 sequence_len_offset=None, **kwargs):
