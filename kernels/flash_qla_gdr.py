@@ -8,11 +8,13 @@ fill more than 16 of the H200's 132 SMs. scripts/check_gdn_kernels_gpu.py measur
 What we add around it: FlashQLA decides the split by reading ``cu_seqlens`` on the host (a sync
 per micro-batch) and rebuilds its chunk tables on the device. Here the trainer builds the whole
 plan on the host, where the lengths already are (``plan_from_host``, called by
-``GDNVarlen.from_host``): FlashQLA's own split decision (its calibrated cost model), the pieces,
-and the chunk tables, attached where FlashQLA looks for them (``_flash_qla_prepared_varlen``,
-its documented fast path in ``flash_qla.utils.index``). CUDA graphs replay fixed shapes, so the
-graphs get fixed plans (``static_plan``): rows of one sample use a split fixed at capture; rows of
-several samples run unsplit, their chunk offsets recomputed on the device at each load.
+``GDNVarlen.flash_qla_plan`` at a micro-batch's first GDN call, from the host boundaries
+``GDNVarlen.from_host`` keeps): FlashQLA's own split decision (its calibrated cost model), the
+pieces, and the chunk tables, attached where FlashQLA looks for them
+(``_flash_qla_prepared_varlen``, its documented fast path in ``flash_qla.utils.index``). CUDA
+graphs replay fixed shapes, so the graphs get fixed plans (``StaticPlan``): rows of one sample use
+a split fixed at capture; rows of several samples run unsplit, their chunk offsets recomputed on
+the device at each load. Micro-batches the graphs replay never build a per-batch plan.
 """
 
 from __future__ import annotations
