@@ -169,12 +169,14 @@ class GDNVarlen:
     layer) and ``chunk_indices`` from ``chunk_indices_host``. For the flash_qla backend:
     ``cu_host``, the same boundaries on the host, from which ``flash_qla_plan`` builds FlashQLA's
     plan at the first GDN call that wants it (no device read), or ``qla``, a plan given up front
-    (the CUDA graphs' fixed-shape one, models/common/layer_graphs.StaticBatch)."""
+    for ``qla_heads`` heads (the CUDA graphs' fixed-shape one, models/common/layer_graphs.StaticBatch)."""
 
     cu_seqlens: torch.Tensor
     chunk_indices: torch.Tensor
     qla: object | None = None
     cu_host: torch.Tensor | None = field(default=None, repr=False)
+    qla_heads: int | None = None
+    _built: dict = field(default_factory=dict, repr=False)  # heads -> plan built from cu_host
 
     @classmethod
     def from_host(cls, cu_seqlens: torch.Tensor, device) -> "GDNVarlen":
@@ -182,13 +184,21 @@ class GDNVarlen:
                    to_device_async(chunk_indices_host(cu_seqlens), device), cu_host=cu_seqlens)
 
     def flash_qla_plan(self, heads: int):
-        """FlashQLA's plan for this row (kernels/flash_qla_gdr.py), None without host boundaries.
-        Every GDN layer of a rank has the same head count, so the first call's plan serves all."""
-        if self.qla is None and self.cu_host is not None:
+        """FlashQLA's plan for this row and ``heads`` value heads (kernels/flash_qla_gdr.py), None
+        without host boundaries. Built once per head count: every GDN layer of a rank usually
+        shares one, so the first layer plans and the others reuse it."""
+        if self.qla is not None:
+            if self.qla_heads is not None and heads != self.qla_heads:
+                raise ValueError(f"the fixed FlashQLA plan was made for {self.qla_heads} heads, this GDN layer "
+                                 f"has {heads}: give StaticBatch the head count of its layers")
+            return self.qla
+        if self.cu_host is None:
+            return None
+        if heads not in self._built:
             from kernels.flash_qla_gdr import plan_from_host
 
-            self.qla = plan_from_host(self.cu_host, self.cu_seqlens, heads)
-        return self.qla
+            self._built[heads] = plan_from_host(self.cu_host, self.cu_seqlens, heads)
+        return self._built[heads]
 
 
 def _fla_varlen(cu_seqlens: torch.Tensor | None, varlen: GDNVarlen | None):

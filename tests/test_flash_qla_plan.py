@@ -2,6 +2,7 @@
 intra-card split it is handed. The kernels themselves need an SM90 GPU:
 scripts/check_gdn_kernels_gpu.py runs them against fla and an fp32 reference."""
 
+import pytest
 import torch
 
 from kernels import flash_qla_gdr as qla
@@ -122,8 +123,13 @@ def test_eager_rows_plan_lazily_from_their_host_boundaries_once(monkeypatch):
     assert varlen.flash_qla_plan(16) == ("plan", 16)
     assert varlen.flash_qla_plan(16) == ("plan", 16)
     assert calls == [([0, 100, 300], "cpu", 16)]
-    fixed = GDNVarlen(varlen.cu_seqlens, varlen.chunk_indices, qla="static plan")
+    assert varlen.flash_qla_plan(8) == ("plan", 8)  # another head count gets its own plan
+    assert varlen.flash_qla_plan(16) == ("plan", 16)
+    assert [c[2] for c in calls] == [16, 8]
+    fixed = GDNVarlen(varlen.cu_seqlens, varlen.chunk_indices, qla="static plan", qla_heads=16)
     assert fixed.flash_qla_plan(16) == "static plan"
+    with pytest.raises(ValueError, match="made for 16 heads, this GDN layer has 8"):
+        fixed.flash_qla_plan(8)
     assert GDNVarlen(varlen.cu_seqlens, varlen.chunk_indices).flash_qla_plan(16) is None
 
 

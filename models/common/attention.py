@@ -135,22 +135,27 @@ def _cudnn_dense(q, k, v, causal, scale):
     Grouped k/v heads go in as they are (the kernel reads each for its query heads; repeating
     them cost a copy each way and a sum in the backward: ~0.7 ms of the 2B step on an H200); if
     cuDNN refuses that, once, they are repeated."""
+    if k.shape[2] != q.shape[2] and not _cudnn_gqa_refused:
+        out = _cudnn_or_record(q, k, v, causal, scale, _cudnn_gqa_refused, "{}",
+                               "attention: cuDNN refused grouped k/v heads ({}); repeating them")
+        if out is not None:
+            return out
+    k, v = _repeat_kv(k, v, q.shape[2], dim=2)
+    return _cudnn_or_record(q, k, v, causal, scale, _cudnn_refused, "cuDNN refused an input ({})",
+                            "attention: cuDNN attention is off for this run, using flash attention: {}")
+
+
+def _cudnn_or_record(q, k, v, causal, scale, refusals: list[str], reason: str, warning: str):
+    """SDPA through cuDNN alone, or None after appending ``reason`` (formatted with cuDNN's error)
+    to ``refusals`` and warning once with ``warning`` (formatted with that reason)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    if k.shape[2] != q.shape[2] and not _cudnn_gqa_refused:
-        try:
-            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                return _sdpa_batched(q, k, v, causal, scale)
-        except RuntimeError as e:
-            _cudnn_gqa_refused.append(str(e).splitlines()[0][:200])
-            _warn_once(f"attention: cuDNN refused grouped k/v heads ({_cudnn_gqa_refused[0]}); repeating them")
-    k, v = _repeat_kv(k, v, q.shape[2], dim=2)
     try:
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             return _sdpa_batched(q, k, v, causal, scale)
-    except RuntimeError as e:  # cuDNN cannot take this input: say so once, use flash from now on
-        _cudnn_refused.append(f"cuDNN refused an input ({str(e).splitlines()[0][:200]})")
-        _warn_once(f"attention: cuDNN attention is off for this run, using flash attention: {_cudnn_refused[0]}")
+    except RuntimeError as e:
+        refusals.append(reason.format(str(e).splitlines()[0][:200]))
+        _warn_once(warning.format(refusals[0]))
         return None
 
 

@@ -73,7 +73,8 @@ class StaticBatch:
         self.params = PackedRowParams(
             qkv_format="thd", cu_seqlens_q=self.cu32, cu_seqlens_kv=self.cu32, cu_seqlens_q_padded=self.cu32,
             cu_seqlens_kv_padded=self.cu32, max_seqlen_q=seq, max_seqlen_kv=seq,
-            gdn_varlen=GDNVarlen(self.cu64, self.chunks, None if self.qla is None else self.qla.plan),
+            gdn_varlen=GDNVarlen(self.cu64, self.chunks, None if self.qla is None else self.qla.plan,
+                                 qla_heads=flash_qla_heads),
             static_shape=not one_segment)
 
     def refusal(self, params, rope) -> str | None:
