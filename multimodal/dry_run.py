@@ -448,7 +448,8 @@ def dry_run(cfg: Config, world_size: int | None = None, gpu_mem_gib: float = 80.
         out(f"  note: {note}")
     if worst > gpu_mem_gib:
         out(f"  DOES NOT FIT: {worst:.1f} GiB > {gpu_mem_gib:g} GiB on the fullest GPU; raise tp/pp/ep/cp, "
-            "enable parallel.use_distributed_optimizer, or lower train.seq_length")
+            "enable parallel.use_distributed_optimizer, lower train.seq_length, or set train.recompute_modules "
+            "(not counted here: this estimate assumes no recompute)")
         return 1
     out(f"  OK: layout valid, fullest GPU {worst:.1f} of {gpu_mem_gib:g} GiB")
     return 0

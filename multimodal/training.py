@@ -29,7 +29,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from data.loader import MicroBatchIterator, build_dataset
 from data.prefetch import Prefetcher
 from models import get_model_builder
-from multimodal import checkpointing, flat_adamw, multi_tensor, overlap_update, platform
+from multimodal import checkpointing, flat_adamw, multi_tensor, oom_advice, overlap_update, platform
 from multimodal.config import Config, ConfigError, resolve_sources, validate
 from multimodal.flops import device_peak_tflops, training_flops
 from multimodal.forward_step import ForwardStep
@@ -363,7 +363,7 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
             result.last_iteration = it
         if pending is not None:
             _emit(pending, peak, sink, result)
-    except BaseException:
+    except BaseException as e:
         # keep the last log line of a run that fails one step later; with several ranks its
         # reductions may wait on a peer that is gone, so only alone
         if pending is not None and dist.get_world_size() == 1:
@@ -371,6 +371,8 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
                 _emit(pending, peak, sink, result)
             except Exception:  # noqa: BLE001 - the original error matters more
                 log.warning("could not write the metrics of step %d", pending.it)
+        if isinstance(e, torch.OutOfMemoryError) and not isinstance(e, oom_advice.TrainingOutOfMemory):
+            raise oom_advice.TrainingOutOfMemory(oom_advice.advice(cfg, result.last_iteration + 1)) from e
         raise
     finally:
         profiler.close()  # a run that stops inside the window still writes its profile

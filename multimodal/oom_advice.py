@@ -1,0 +1,59 @@
+"""What to change when a training step runs out of GPU memory.
+
+A bare ``torch.OutOfMemoryError`` names the allocation that failed, not the knobs that would
+make the run fit. The training loop re-raises it as ``TrainingOutOfMemory`` (still an
+``OutOfMemoryError``, chained to the original) whose message lists this run's options, each
+with the setting to change, in the order that costs least speed first.
+
+The figures quoted are measured (docs/benchmarks/README.md, session 14): the 2B recipe on one
+H200 fits 32K-token rows with CUDA graphs (93.2 GiB) but not 64K; 64K fits with the graphs off
+and all four recompute modules (125.7 GiB, 38% MFU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from multimodal.recompute import sweep_choices
+
+
+class TrainingOutOfMemory(torch.OutOfMemoryError):
+    """A training step ran out of GPU memory; the message says what to change."""
+
+
+def advice(cfg, step: int) -> str:
+    """The message for an out-of-memory error at ``step`` with config ``cfg``."""
+    t, p, m = cfg.train, cfg.parallel, cfg.model
+    where = f"step {step}, train.seq_length={t.seq_length}, train.micro_batch_size={t.micro_batch_size}"
+    usage = _usage()
+    lines = [f"out of GPU memory at {where}{usage}. Options, cheapest first:"]
+    every = sorted({name for choice in sweep_choices(m) for name in choice})
+    if p.cp > 1:  # GDN's recompute blocks are not implemented under context parallelism
+        every = [name for name in every if not name.startswith("gdn_")]
+    missing = [name for name in every if name not in t.recompute_modules]
+    if missing:
+        wanted = "[" + ",".join(sorted(set(t.recompute_modules) | set(missing))) + "]"
+        graphs = " train.cuda_graphs=false" if t.cuda_graphs else ""
+        lines.append(f"  - selective recompute: train.recompute_modules={wanted}{graphs} (the CUDA graphs cannot "
+                     "replay recomputed blocks; measured on one H200: the 2B recipe fits 64K-token rows this way, "
+                     "at 28.6K tokens/s against 43.2K with the graphs at 32K)")
+    if t.global_batch_size > t.micro_batch_size and t.micro_batch_size > 1:
+        lines.append("  - smaller micro-batches, more of them: lower train.micro_batch_size "
+                     "(train.global_batch_size stays)")
+    lines.append(f"  - context parallelism: parallel.cp={2 * p.cp} splits every row over {2 * p.cp} GPUs")
+    if not p.use_distributed_optimizer:
+        lines.append("  - parallel.use_distributed_optimizer=true shards the fp32 parameters and Adam moments "
+                     "over the data-parallel ranks (12 bytes per parameter, divided by DP)")
+    lines.append(f"  - shorter rows: a lower train.seq_length (now {t.seq_length})")
+    lines.append("  Check a layout without a GPU first: python pretrain_multimodal.py --config CFG [key=value ...] "
+                 "--dry-run --gpu-mem-gib GIB (its activation estimate assumes no recompute and runs high: "
+                 "65 GiB estimated vs 43 GiB measured for the 2B at 8K)")
+    return "\n".join(lines)
+
+
+def _usage() -> str:
+    if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return ""
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    peak = torch.cuda.max_memory_allocated()
+    return f" (peak allocated {peak / 2**30:.1f} of {total / 2**30:.1f} GiB)"
