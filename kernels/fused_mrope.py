@@ -267,6 +267,104 @@ def fused_mrope(x, position_ids, inv_freq, mrope_section, interleaved=True, layo
                              cu_seqlens, cp_size, cp_rank)
 
 
+class _FusedMRopePair(torch.autograd.Function):
+    """``fused_mrope`` of two tensors (attention's q and k) by the same angles, in one autograd node.
+
+    One launch per tensor each way and nothing else. Concatenating q and k for a single launch
+    instead costs a copy of both in the forward and, in the backward, a zero-filled gradient of
+    the concatenation per output plus their sum (five kernels over q|k per layer)."""
+
+    @staticmethod
+    def forward(ctx, query, key, position_ids, inv_freq, mrope_section, interleaved, layout):
+        outs = []
+        for x in (query, key):
+            x = _unit_channel_stride(x)
+            outs.append(_launch(x, torch.empty_like(x), position_ids, inv_freq, mrope_section, interleaved, layout,
+                                None, 1, 0, False))
+        ctx.save_for_backward(position_ids, inv_freq)
+        ctx.args = (mrope_section, interleaved, layout)
+        ctx.set_materialize_grads(False)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, d_query, d_key):
+        position_ids, inv_freq = ctx.saved_tensors
+        mrope_section, interleaved, layout = ctx.args
+        grads = []
+        for g in (d_query, d_key):
+            if g is not None:
+                g = _unit_channel_stride(g)
+                g = _launch(g, torch.empty_like(g), position_ids, inv_freq, mrope_section, interleaved, layout, None,
+                            1, 0, True)
+            grads.append(g)
+        return (*grads, None, None, None, None, None)
+
+
+def fused_mrope_pair(query, key, position_ids, inv_freq, mrope_section, interleaved=True, layout="bshd"):
+    """``(fused_mrope(query, ...), fused_mrope(key, ...))`` as one autograd node, two launches each
+    way; position ids per token of these tensors (the plain mode: no zigzag arguments)."""
+    return _FusedMRopePair.apply(query, key, position_ids, _inv_freq_f32(inv_freq),
+                                 tuple(int(s) for s in mrope_section), interleaved, layout)
+
+
+class _RotaryQKV(torch.autograd.Function):
+    """q and k rotated, and v, from one [T, 3, H, D] projection (the vision blocks' qkv).
+
+    Forward: one launch rotates q and k (read in place from the projection) into a [T, 2H, D]
+    tensor; q and k are its halves, v is the projection's third slot. Backward: the rotation back
+    writes dq and dk straight into their slots of one [T, 3, H, D] gradient and dv is copied into
+    the third. Split with unbind and slices instead, autograd materialises a zero-filled
+    projection-sized gradient for each piece and sums them: about nine small kernels per block
+    where this takes three."""
+
+    @staticmethod
+    def forward(ctx, qkv, position_ids, inv_freq, mrope_section, interleaved):
+        t, _, h, d = qkv.shape
+        qk = torch.empty(t, 2 * h, d, dtype=qkv.dtype, device=qkv.device)
+        _launch(qkv[:, :2].reshape(t, 2 * h, d), qk, position_ids, inv_freq, mrope_section, interleaved, "thd",
+                None, 1, 0, False)
+        ctx.save_for_backward(position_ids, inv_freq)
+        ctx.args = (mrope_section, interleaved)
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None: zero its slot here
+        return qk[:, :h], qk[:, h:], qkv[:, 2]
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        position_ids, inv_freq = ctx.saved_tensors
+        mrope_section, interleaved = ctx.args
+        like = next(g for g in (dq, dk, dv) if g is not None)
+        t, h, d = like.shape
+        grad = torch.empty(t, 3, h, d, dtype=like.dtype, device=like.device)
+        for slot, g in enumerate((dq, dk)):
+            if g is None:
+                grad[:, slot].zero_()
+            else:
+                _launch(_unit_channel_stride(g), grad[:, slot], position_ids, inv_freq, mrope_section, interleaved,
+                        "thd", None, 1, 0, True)
+        if dv is None:
+            grad[:, 2].zero_()
+        else:
+            grad[:, 2].copy_(dv)
+        return grad, None, None, None, None
+
+
+def rotary_qkv(qkv, position_ids, inv_freq, mrope_section, interleaved=False):
+    """(q, k, v) from a [T, 3, H, D] projection, q and k rotated by ``fused_mrope``'s angles (thd
+    layout, position ids [3, T]); gradients flow back into one [T, 3, H, D] tensor."""
+    if qkv.dim() != 4 or qkv.shape[1] != 3 or qkv.stride(-1) != 1:
+        raise ValueError(f"rotary_qkv needs a [T, 3, H, D] projection with unit channel stride, got "
+                         f"{tuple(qkv.shape)} strides {qkv.stride()}")
+    return _RotaryQKV.apply(qkv, position_ids, _inv_freq_f32(inv_freq), tuple(int(s) for s in mrope_section),
+                            interleaved)
+
+
+def rotary_qkv_reference(qkv, position_ids, inv_freq, mrope_section, interleaved=False):
+    """``rotary_qkv`` in plain PyTorch: unbind, then the reference rotation of q and k."""
+    q, k, v = qkv.unbind(1)
+    return (mrope_reference(q, position_ids, inv_freq, mrope_section, interleaved, "thd"),
+            mrope_reference(k, position_ids, inv_freq, mrope_section, interleaved, "thd"), v)
+
+
 def _inv_freq_f32(inv_freq: torch.Tensor) -> torch.Tensor:
     return inv_freq if inv_freq.dtype == torch.float32 and inv_freq.is_contiguous() else inv_freq.float().contiguous()
 

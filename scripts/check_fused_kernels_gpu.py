@@ -103,6 +103,43 @@ def mrope_case(device, dtype_name, layout, B, S, H, D, rot, section, interleaved
                  dtype=dtype_name, errs=errs, shapes_ok=ok)]
 
 
+def mrope_pair_case(device, dtype_name, layout, S, Hq, Hk, D, rot, section, seed=0):
+    """The attention layer's q and k rotated as one pair (``fused_mrope_pair``): both outputs and
+    both input gradients."""
+    g = torch.Generator().manual_seed(seed)
+    inv = inverse_frequencies(rot, 1e7).to(device)
+    pos = torch.randint(0, 40000, (3, 1, S), generator=g).to(device)
+    p = pos[:, 0] if layout == "thd" else pos
+    shape = {"bshd": (1, S), "sbhd": (S, 1), "thd": (S,)}[layout]
+    q = torch.randn(*shape, Hq, D, generator=g).to(device)
+    k = torch.randn(*shape, Hk, D, generator=g).to(device)
+    errs, ok = _compare("mrope_pair", lambda a, b: fm.fused_mrope_pair(a, b, p, inv, section, True, layout),
+                        lambda a, b: [fm.mrope_reference(t, p, inv, section, True, layout) for t in (a, b)],
+                        [(q, False), (k, False)], DTYPES[dtype_name], seed)
+    return [dict(kernel="mrope_pair", case=f"{layout} {dtype_name} S={S} Hq={Hq} Hk={Hk} D={D} rot={rot}",
+                 dtype=dtype_name, errs=dict(zip(["q", "k", "d_q", "d_k"], errs.values())), shapes_ok=ok)]
+
+
+def rotary_qkv_case(device, dtype_name, T, H, D, seed=0, without_k=False):
+    """The vision blocks' q/k/v split with q and k rotated (blocked 2-D rotary, section (0, n, n)
+    over the whole head): outputs q, k, v and the gradient of the [T, 3, H, D] projection.
+    ``without_k``: k is left out of the loss (its gradient slot must come back zero)."""
+    g = torch.Generator().manual_seed(seed)
+    n = D // 4
+    base = 1.0 / (10000.0 ** (torch.arange(0, 2 * n, 2, dtype=torch.float32) / (2 * n)))
+    inv = torch.cat([base, base]).to(device)  # as the vision encoder hands it to the kernel
+    pos = torch.randint(0, 48, (3, T), generator=g).to(device)
+    qkv = torch.randn(T, 3, H, D, generator=g).to(device)
+    section = (0, n, n)
+    keep = (0, 2) if without_k else (0, 1, 2)
+    errs, ok = _compare("rotary_qkv", lambda x: [fm.rotary_qkv(x, pos, inv, section)[i] for i in keep],
+                        lambda x: [fm.rotary_qkv_reference(x, pos, inv, section)[i] for i in keep], [(qkv, False)],
+                        DTYPES[dtype_name], seed)
+    names = [["q", "k", "v"][i] for i in keep] + ["d_qkv"]
+    return [dict(kernel="rotary_qkv", case=f"{dtype_name} T={T} H={H} D={D}{' without k' if without_k else ''}",
+                 dtype=dtype_name, errs=dict(zip(names, errs.values())), shapes_ok=ok)]
+
+
 # ----------------------------------------------------------------------------- pre-GDR cases
 
 
@@ -159,6 +196,11 @@ def small_cases(device):
     out += mrope_case(device, "bf16", "thd", 1, 9, 2, 72, 72, [0, 18, 18], interleaved=False)  # a vision head
     out += mrope_case(device, "fp32", "thd", 1, 0, 2, 256, 64, [11, 11, 10], lens=[8, 4, 12], cp=2)
     out += mrope_case(device, "bf16", "thd", 1, 0, 3, 256, 64, [11, 11, 10], lens=[16, 8], cp=4)
+    out += mrope_pair_case(device, "fp32", "sbhd", 7, 4, 2, 32, 8, [2, 1, 1])  # the proxy's heads
+    out += mrope_pair_case(device, "bf16", "thd", 9, 4, 2, 256, 64, [11, 11, 10])
+    out += rotary_qkv_case(device, "fp32", 9, 2, 16)
+    out += rotary_qkv_case(device, "bf16", 7, 3, 72)  # the 9B+ vision head size
+    out += rotary_qkv_case(device, "fp32", 5, 2, 16, without_k=True)
     out += pre_gdr_case(device, "fp32", 2, 11, 2, 4, 16, 8)
     out += pre_gdr_case(device, "fp32", 1, 19, 2, 2, 8, 8, lens=[5, 1, 2, 11])
     out += pre_gdr_case(device, "bf16", 1, 13, 1, 2, 16, 16, lens=[6, 7])
@@ -191,6 +233,10 @@ def full_cases(device):
     out += mrope_case(device, "bf16", "sbhd", 1, 333, 4, 32, 8, [2, 1, 1])  # the proxy's head
     out += mrope_case(device, "fp32", "bshd", 1, 333, 4, 128, 128, [24, 20, 20], interleaved=False)
     out += mrope_case(device, "bf16", "thd", 1, 4099, 16, 72, 72, [0, 18, 18], interleaved=False)  # vision 9B+
+    for dt in DTYPES:
+        out += mrope_pair_case(device, dt, "sbhd", 8192, 8, 2, 256, 64, [11, 11, 10])  # 2B attention
+        out += rotary_qkv_case(device, dt, 3136, 16, 64)  # 2B vision heads, one 896x896 image's patches
+    out += rotary_qkv_case(device, "bf16", 4099, 16, 72)  # 9B+ vision heads
     for nk, nv in ((16, 16), (16, 32), (16, 64)):
         out += pre_gdr_case(device, "bf16", 1, 4099, nk, nv, 128, 128, lens=[1000, 1, 3, 3095])
     out += pre_gdr_case(device, "bf16", 2, 1023, 16, 32, 128, 128)
@@ -211,7 +257,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--small", action="store_true", help="the small set (CPU interpreter)")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--only", choices=["mrope", "pre_gdr", "swiglu"], help="one kernel's cases")
+    ap.add_argument("--only", choices=["mrope", "mrope_pair", "rotary_qkv", "pre_gdr", "swiglu"], help="one kernel's cases")
     ap.add_argument("--quick", action="store_true",
                     help="pre-GDR: three cases (head repeat 1/2/4, packed and padded, bf16 and fp32)")
     ap.add_argument("--json", help="write the results as JSON here ('-' for stdout only)")

@@ -55,15 +55,15 @@ def interpreted(interp_runs):
     return interp_runs["parity"]
 
 
-@pytest.mark.parametrize("kernel,expected", [("mrope", 19), ("pre_gdr", 6), ("swiglu", 5)])
+@pytest.mark.parametrize("kernel,expected", [("mrope", 19), ("mrope_pair", 2), ("rotary_qkv", 3), ("pre_gdr", 6), ("swiglu", 5)])
 def test_triton_kernels_match_reference_under_interpreter(interpreted, kernel, expected):
     cases = [r for r in interpreted if r["kernel"] == kernel]
     assert len(cases) == expected  # every case ran (none skipped)
     bad = [f"{r['case']}: {r['errs']}" for r in cases if not r["ok"]]
     assert not bad, "\n".join(bad)
     # every output and gradient was compared, and fp32 matched to rounding
-    n_outputs = {"mrope": 2, "pre_gdr": 11, "swiglu": 2}[kernel]
-    assert all(len(r["errs"]) == n_outputs for r in cases)
+    n_outputs = {"mrope": 2, "mrope_pair": 4, "rotary_qkv": 4, "pre_gdr": 11, "swiglu": 2}[kernel]
+    assert all(len(r["errs"]) == n_outputs - ("without k" in r["case"]) for r in cases)
     assert all(max(r["errs"].values()) < 1e-6 for r in cases if r["dtype"] == "fp32")
 
 
@@ -237,8 +237,9 @@ def _model_check() -> dict:
     ps.initialize_model_parallel(1, 1)
     from kernels import fused_swiglu as fs
 
-    calls = {"mrope": 0, "pre_gdr": 0, "pre_gdr_proj": 0, "swiglu": 0}
+    calls = {"mrope": 0, "mrope_pair": 0, "rotary_qkv": 0, "pre_gdr": 0, "pre_gdr_proj": 0, "swiglu": 0}
     real_mrope, real_pre, real_swiglu = fm.fused_mrope, fp.fused_pre_gdr, fs.swiglu
+    real_rotary_qkv, real_pair = fm.rotary_qkv, fm.fused_mrope_pair
     real_pre_proj = fp.fused_pre_gdr_from_proj
 
     def count(name, fn):
@@ -249,6 +250,8 @@ def _model_check() -> dict:
 
     fm.fused_mrope, fp.fused_pre_gdr = count("mrope", real_mrope), count("pre_gdr", real_pre)
     fp.fused_pre_gdr_from_proj = count("pre_gdr_proj", real_pre_proj)
+    fm.rotary_qkv = count("rotary_qkv", real_rotary_qkv)
+    fm.fused_mrope_pair = count("mrope_pair", real_pair)
     fs.swiglu = count("swiglu", real_swiglu)
     loss_f, grads_f = _proxy_loss_and_grads(["model.fused_mrope=true", "model.gdn_pre_impl=fused",
                                              "model.fused_swiglu=true"])
@@ -261,10 +264,10 @@ def _model_check() -> dict:
 
 def test_model_runs_both_fused_kernels_and_matches_the_pytorch_path(interp_runs):
     r = interp_runs["model"]
-    # mRoPE: one call for q and k together in the attention layer and in each of the 2 vision
-    # blocks; pre-GDR: the GDN layer, through the whole-projection entry (no split outside it);
-    # SwiGLU: both layers' MLPs (through megatron's MLP)
-    assert r["calls"] == {"mrope": 3, "pre_gdr": 0, "pre_gdr_proj": 1, "swiglu": 2}
+    # mRoPE: q and k as one pair in the attention layer; each of the 2 vision blocks splits and
+    # rotates its projection through rotary_qkv; pre-GDR: the GDN layer, through the
+    # whole-projection entry (no split outside it); SwiGLU: both layers' MLPs (megatron's MLP)
+    assert r["calls"] == {"mrope": 0, "mrope_pair": 1, "rotary_qkv": 2, "pre_gdr": 0, "pre_gdr_proj": 1, "swiglu": 2}
     assert r["same_params"]
     assert abs(r["loss_fused"] - r["loss_unfused"]) <= 1e-5 * abs(r["loss_unfused"])
     # A_log / dt_bias sum dg over tokens through the delta rule: ulp-level changes in g add up there

@@ -12,8 +12,6 @@ parallel), the zero-centred q/k norms (from our spec) and the sigmoid output gat
 
 from __future__ import annotations
 
-import torch
-
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.module import MegatronModule
 
@@ -55,12 +53,10 @@ class MRopeSelfAttention(SelfAttention):
         layout = "sbhd" if query.dim() == 4 else "thd"
         reason = fused_mrope.available(query, layout)
         if reason is None:
-            # q and k in one launch: the kernel's cost at these sizes is mostly the host-side
-            # launch (~0.35 ms measured on an H200), far more than copying k beside q
-            hq = query.shape[-2]
-            both = fused_mrope.fused_mrope(torch.cat([query, key], dim=-2), pos, inv, self.mrope_section,
-                                           self.mrope_interleaved, layout)
-            return both[..., :hq, :], both[..., hq:, :]
+            # one autograd node, a launch per tensor each way: no cat of q and k to rotate them in
+            # one launch, whose backward zero-fills and sums q|k-sized gradients
+            return fused_mrope.fused_mrope_pair(query, key, pos, inv, self.mrope_section, self.mrope_interleaved,
+                                                layout)
         fused_mrope.warn_fallback(reason)
         axis = axis_of_frequency(inv.numel(), list(self.mrope_section), self.mrope_interleaved)
         angles = mrope_angles(pos, inv, axis).transpose(0, 1).unsqueeze(2)  # [S, B, 1, rot]

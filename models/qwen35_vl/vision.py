@@ -97,14 +97,12 @@ class VisionBlock(nn.Module):
     def forward(self, x: torch.Tensor, angles: torch.Tensor, geo: VisionGeometry) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv(self.norm1(x)).view(n, 3, self.heads, self.head_dim)
-        q, k, v = qkv.unbind(1)
         if isinstance(angles, tuple):  # fused: (position ids [3, N], inv_freq, section), see the encoder
             pos, inv, section = angles
-            # q and k side by side are one strided [N, 2*heads, D] view: one launch, no copy
-            qk = fused_mrope.fused_mrope(qkv[:, :2].reshape(n, 2 * self.heads, self.head_dim), pos, inv, section,
-                                         False, "thd")
-            q, k = qk[:, :self.heads], qk[:, self.heads:]
+            # q and k rotated in one launch; their gradients and v's come back as one tensor
+            q, k, v = fused_mrope.rotary_qkv(qkv, pos, inv, section, False)
         else:  # the reference rotates in fp32 and casts back
+            q, k, v = qkv.unbind(1)
             q = apply_rotary(q.float(), angles).to(v.dtype)
             k = apply_rotary(k.float(), angles).to(v.dtype)
         a = attention(
