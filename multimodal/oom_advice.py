@@ -21,8 +21,9 @@ class TrainingOutOfMemory(torch.OutOfMemoryError):
     """A training step ran out of GPU memory; the message says what to change."""
 
 
-def advice(cfg, step: int) -> str:
-    """The message for an out-of-memory error at ``step`` with config ``cfg``."""
+def advice(cfg, step: int, data_parallel: int = 1) -> str:
+    """The message for an out-of-memory error at ``step`` with config ``cfg`` on ``data_parallel``
+    data-parallel ranks."""
     t, p, m = cfg.train, cfg.parallel, cfg.model
     where = f"step {step}, train.seq_length={t.seq_length}, train.micro_batch_size={t.micro_batch_size}"
     usage = _usage()
@@ -33,17 +34,18 @@ def advice(cfg, step: int) -> str:
     missing = [name for name in every if name not in t.recompute_modules]
     if missing:
         wanted = "[" + ",".join(sorted(set(t.recompute_modules) | set(missing))) + "]"
-        graphs = " train.cuda_graphs=false" if t.cuda_graphs else ""
-        lines.append(f"  - selective recompute: train.recompute_modules={wanted}{graphs} (the CUDA graphs cannot "
-                     "replay recomputed blocks; measured on one H200: the 2B recipe fits 64K-token rows this way, "
-                     "at 28.6K tokens/s against 43.2K with the graphs at 32K)")
+        graphs = " train.cuda_graphs=false (the graphs cannot replay recomputed blocks)" if t.cuda_graphs else ""
+        lines.append(f"  - selective recompute: train.recompute_modules={wanted}{graphs}; measured on one H200, the "
+                     "2B recipe fits 64K-token rows this way, at 28.6K tokens/s against 43.2K with the graphs at 32K")
     if t.global_batch_size > t.micro_batch_size and t.micro_batch_size > 1:
         lines.append("  - smaller micro-batches, more of them: lower train.micro_batch_size "
                      "(train.global_batch_size stays)")
     lines.append(f"  - context parallelism: parallel.cp={2 * p.cp} splits every row over {2 * p.cp} GPUs")
     if not p.use_distributed_optimizer:
-        lines.append("  - parallel.use_distributed_optimizer=true shards the fp32 parameters and Adam moments "
-                     "over the data-parallel ranks (12 bytes per parameter, divided by DP)")
+        where = (f"over the {data_parallel} data-parallel ranks" if data_parallel > 1 else
+                 "over data-parallel ranks (this run has one: it needs more GPUs)")
+        lines.append(f"  - parallel.use_distributed_optimizer=true shards the fp32 parameters and Adam moments "
+                     f"{where}: 12 bytes per parameter, divided by their number")
     lines.append(f"  - shorter rows: a lower train.seq_length (now {t.seq_length})")
     lines.append("  Check a layout without a GPU first: python pretrain_multimodal.py --config CFG [key=value ...] "
                  "--dry-run --gpu-mem-gib GIB (its activation estimate assumes no recompute and runs high: "

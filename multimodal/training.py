@@ -372,7 +372,8 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
             except Exception:  # noqa: BLE001 - the original error matters more
                 log.warning("could not write the metrics of step %d", pending.it)
         if isinstance(e, torch.OutOfMemoryError) and not isinstance(e, oom_advice.TrainingOutOfMemory):
-            raise oom_advice.TrainingOutOfMemory(oom_advice.advice(cfg, result.last_iteration + 1)) from e
+            raise oom_advice.TrainingOutOfMemory(
+                oom_advice.advice(cfg, result.last_iteration + 1, ps.get_data_parallel_world_size())) from e
         raise
     finally:
         profiler.close()  # a run that stops inside the window still writes its profile

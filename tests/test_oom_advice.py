@@ -21,6 +21,8 @@ def test_advice_lists_the_missing_recompute_modules_and_turns_the_graphs_off():
     assert "out of GPU memory at step 3, train.seq_length=65536" in text
     assert "train.recompute_modules=[core_attn,gdn_norm_out,gdn_qkv,layernorm] train.cuda_graphs=false" in text
     assert "parallel.cp=2" in text and "parallel.use_distributed_optimizer=true" in text
+    assert "this run has one: it needs more GPUs" in text
+    assert "over the 4 data-parallel ranks" in advice(cfg, 3, data_parallel=4)
 
 
 def test_advice_keeps_what_is_set_and_skips_gdn_blocks_under_context_parallelism():
@@ -28,7 +30,7 @@ def test_advice_keeps_what_is_set_and_skips_gdn_blocks_under_context_parallelism
                       ["train.recompute_modules=[core_attn]", "parallel.cp=2", "train.cuda_graphs=false"])
     text = advice(cfg, 1)
     # the MoE proxy has shared experts; GDN recompute is not implemented with cp > 1
-    assert "train.recompute_modules=[core_attn,layernorm,shared_experts] (" in text
+    assert "train.recompute_modules=[core_attn,layernorm,shared_experts]; measured" in text
     assert "gdn_qkv" not in text and "cuda_graphs=false" not in text
     assert "parallel.cp=4" in text
     done = load_config(ROOT / "configs/qwen35_vl_proxy.yaml",
