@@ -231,25 +231,28 @@ def _unit_channel_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _rotated(x, position_ids, inv_freq, mrope_section, interleaved, layout, backward, cu_seqlens=None, cp_size=1,
+             cp_rank=0) -> torch.Tensor:
+    """x rotated (``backward``: rotated back) into a new tensor with x's strides (sbhd stays sbhd)."""
+    x = _unit_channel_stride(x)
+    return _launch(x, torch.empty_like(x), position_ids, inv_freq, mrope_section, interleaved, layout, cu_seqlens,
+                   cp_size, cp_rank, backward)
+
+
 class _FusedMRope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, position_ids, inv_freq, mrope_section, interleaved, layout, cu_seqlens, cp_size, cp_rank):
-        x = _unit_channel_stride(x)
-        out = torch.empty_like(x)  # keeps x's strides (sbhd stays sbhd)
-        _launch(x, out, position_ids, inv_freq, mrope_section, interleaved, layout, cu_seqlens, cp_size, cp_rank,
-                False)
         ctx.save_for_backward(position_ids, inv_freq, cu_seqlens)
         ctx.args = (mrope_section, interleaved, layout, cp_size, cp_rank)
-        return out
+        return _rotated(x, position_ids, inv_freq, mrope_section, interleaved, layout, False, cu_seqlens, cp_size,
+                        cp_rank)
 
     @staticmethod
     def backward(ctx, grad):
         position_ids, inv_freq, cu_seqlens = ctx.saved_tensors
         mrope_section, interleaved, layout, cp_size, cp_rank = ctx.args
-        grad = _unit_channel_stride(grad)
-        dx = torch.empty_like(grad)
-        _launch(grad, dx, position_ids, inv_freq, mrope_section, interleaved, layout, cu_seqlens, cp_size, cp_rank,
-                True)
+        dx = _rotated(grad, position_ids, inv_freq, mrope_section, interleaved, layout, True, cu_seqlens, cp_size,
+                      cp_rank)
         return dx, None, None, None, None, None, None, None, None
 
 
@@ -276,27 +279,18 @@ class _FusedMRopePair(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, key, position_ids, inv_freq, mrope_section, interleaved, layout):
-        outs = []
-        for x in (query, key):
-            x = _unit_channel_stride(x)
-            outs.append(_launch(x, torch.empty_like(x), position_ids, inv_freq, mrope_section, interleaved, layout,
-                                None, 1, 0, False))
         ctx.save_for_backward(position_ids, inv_freq)
         ctx.args = (mrope_section, interleaved, layout)
         ctx.set_materialize_grads(False)
-        return tuple(outs)
+        return tuple(_rotated(x, position_ids, inv_freq, mrope_section, interleaved, layout, False)
+                     for x in (query, key))
 
     @staticmethod
     def backward(ctx, d_query, d_key):
         position_ids, inv_freq = ctx.saved_tensors
         mrope_section, interleaved, layout = ctx.args
-        grads = []
-        for g in (d_query, d_key):
-            if g is not None:
-                g = _unit_channel_stride(g)
-                g = _launch(g, torch.empty_like(g), position_ids, inv_freq, mrope_section, interleaved, layout, None,
-                            1, 0, True)
-            grads.append(g)
+        grads = [None if g is None else _rotated(g, position_ids, inv_freq, mrope_section, interleaved, layout, True)
+                 for g in (d_query, d_key)]
         return (*grads, None, None, None, None, None)
 
 

@@ -42,10 +42,10 @@ def advice(cfg, step: int, data_parallel: int = 1) -> str:
                      "(train.global_batch_size stays)")
     lines.append(f"  - context parallelism: parallel.cp={2 * p.cp} splits every row over {2 * p.cp} GPUs")
     if not p.use_distributed_optimizer:
-        where = (f"over the {data_parallel} data-parallel ranks" if data_parallel > 1 else
+        ranks = (f"over the {data_parallel} data-parallel ranks" if data_parallel > 1 else
                  "over data-parallel ranks (this run has one: it needs more GPUs)")
         lines.append(f"  - parallel.use_distributed_optimizer=true shards the fp32 parameters and Adam moments "
-                     f"{where}: 12 bytes per parameter, divided by their number")
+                     f"{ranks}: 12 bytes per parameter, divided by their number")
     lines.append(f"  - shorter rows: a lower train.seq_length (now {t.seq_length})")
     lines.append("  Check a layout without a GPU first: python pretrain_multimodal.py --config CFG [key=value ...] "
                  "--dry-run --gpu-mem-gib GIB (its activation estimate assumes no recompute and runs high: "

@@ -126,7 +126,7 @@ def rotary_qkv_case(device, dtype_name, T, H, D, seed=0, without_k=False):
     ``without_k``: k is left out of the loss (its gradient slot must come back zero)."""
     g = torch.Generator().manual_seed(seed)
     n = D // 4
-    base = 1.0 / (10000.0 ** (torch.arange(0, 2 * n, 2, dtype=torch.float32) / (2 * n)))
+    base = inverse_frequencies(D // 2, 10000.0)  # the vision encoder's: n frequencies over half a head
     inv = torch.cat([base, base]).to(device)  # as the vision encoder hands it to the kernel
     pos = torch.randint(0, 48, (3, T), generator=g).to(device)
     qkv = torch.randn(T, 3, H, D, generator=g).to(device)
@@ -257,7 +257,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--small", action="store_true", help="the small set (CPU interpreter)")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--only", choices=["mrope", "mrope_pair", "rotary_qkv", "pre_gdr", "swiglu"], help="one kernel's cases")
+    ap.add_argument("--only", choices=["mrope", "mrope_pair", "rotary_qkv", "pre_gdr", "swiglu"],
+                    help="one kernel's cases")
     ap.add_argument("--quick", action="store_true",
                     help="pre-GDR: three cases (head repeat 1/2/4, packed and padded, bf16 and fp32)")
     ap.add_argument("--json", help="write the results as JSON here ('-' for stdout only)")
