@@ -121,3 +121,84 @@ class SwiGLUFunction(torch.autograd.Function):
 def swiglu(y: torch.Tensor) -> torch.Tensor:
     """The Triton kernels; callers check ``available(y)`` first."""
     return SwiGLUFunction.apply(y)
+
+
+# ------------------------------------------------------------ weighted SwiGLU (MoE experts)
+# The routed experts scale each token's SwiGLU output by its router probability before fc2:
+# out = silu(a) * b * p, with p one fp32 value per row. Its backward needs the probability's
+# gradient too, a sum over the row, so these kernels own whole rows: one program per row reads
+# a, b (and g) once and writes out (or da, db and dp).
+
+
+def weighted_swiglu_reference(y: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``silu(a) * b * p`` computed in fp32, rounded once to y's dtype; ``p`` is [N] or [N, 1]."""
+    a, b = (_up(t) for t in torch.chunk(y, 2, dim=-1))
+    return (F.silu(a) * b * _up(p).reshape(-1, 1)).to(y.dtype)
+
+
+def weighted_swiglu_back_reference(g: torch.Tensor, y: torch.Tensor, p: torch.Tensor):
+    """(dy, dp) of ``weighted_swiglu_reference``; dp has p's shape and dtype."""
+    a, b = (_up(t) for t in torch.chunk(y, 2, dim=-1))
+    g, w = _up(g), _up(p).reshape(-1, 1)
+    sig = torch.sigmoid(a)
+    gw = g * w
+    dy = torch.cat((gw * b * sig * (1.0 + a * (1.0 - sig)), gw * a * sig), dim=-1).to(y.dtype)
+    dp = (g * a * sig * b).sum(-1).reshape(p.shape).to(p.dtype)
+    return dy, dp
+
+
+if triton is not None:
+
+    @triton.jit
+    def _wswiglu_fwd(y_ptr, p_ptr, out_ptr, F_HALF: tl.constexpr, BLOCK_F: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        p = tl.load(p_ptr + row).to(tl.float32)
+        for start in range(0, F_HALF, BLOCK_F):
+            col = start + tl.arange(0, BLOCK_F)
+            mask = col < F_HALF
+            a = tl.load(y_ptr + row * (2 * F_HALF) + col, mask=mask, other=0.0).to(tl.float32)
+            b = tl.load(y_ptr + row * (2 * F_HALF) + F_HALF + col, mask=mask, other=0.0).to(tl.float32)
+            out = a * tl.sigmoid(a) * b * p
+            tl.store(out_ptr + row * F_HALF + col, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _wswiglu_bwd(g_ptr, y_ptr, p_ptr, dy_ptr, dp_ptr, F_HALF: tl.constexpr, BLOCK_F: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        p = tl.load(p_ptr + row).to(tl.float32)
+        acc = tl.zeros((BLOCK_F,), dtype=tl.float32)
+        for start in range(0, F_HALF, BLOCK_F):
+            col = start + tl.arange(0, BLOCK_F)
+            mask = col < F_HALF
+            off = row * (2 * F_HALF) + col
+            a = tl.load(y_ptr + off, mask=mask, other=0.0).to(tl.float32)
+            b = tl.load(y_ptr + off + F_HALF, mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(g_ptr + row * F_HALF + col, mask=mask, other=0.0).to(tl.float32)
+            sig = tl.sigmoid(a)
+            gw = g * p
+            tl.store(dy_ptr + off, (gw * b * sig * (1.0 + a * (1.0 - sig))).to(dy_ptr.dtype.element_ty), mask=mask)
+            tl.store(dy_ptr + off + F_HALF, (gw * a * sig).to(dy_ptr.dtype.element_ty), mask=mask)
+            acc += g * a * sig * b
+        tl.store(dp_ptr + row, tl.sum(acc, axis=0).to(dp_ptr.dtype.element_ty))
+
+
+def _block_f(f: int) -> int:
+    return min(1024, triton.next_power_of_2(f))
+
+
+def weighted_swiglu_forward(y: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The Triton kernel (no autograd): y [N, 2F] contiguous, p [N] contiguous."""
+    f = y.shape[-1] // 2
+    out = y.new_empty(y.shape[0], f)
+    if y.shape[0]:
+        _wswiglu_fwd[(y.shape[0],)](y, p, out, F_HALF=f, BLOCK_F=_block_f(f), num_warps=4)
+    return out
+
+
+def weighted_swiglu_backward(g: torch.Tensor, y: torch.Tensor, p: torch.Tensor):
+    """(dy, dp) by the Triton kernel (no autograd); g [N, F], y [N, 2F], p [N], all contiguous."""
+    dy = torch.empty_like(y)
+    dp = torch.empty_like(p)
+    if y.shape[0]:
+        f = y.shape[-1] // 2
+        _wswiglu_bwd[(y.shape[0],)](g, y, p, dy, dp, F_HALF=f, BLOCK_F=_block_f(f), num_warps=4)
+    return dy, dp

@@ -201,7 +201,7 @@ class TrainConfig:
     # and fla's backward) still vary in the last bits from run to run.
     deterministic: bool = False
     # selective activation recompute (multimodal/recompute.py): core_attn, layernorm,
-    # shared_experts, gdn_qkv, gdn_norm_out; outputs and gradients unchanged bit for bit
+    # shared_experts, moe_act, gdn_qkv, gdn_norm_out; outputs and gradients unchanged bit for bit
     recompute_modules: list[str] = field(default_factory=list)
     # Decoder layers replayed as CUDA graphs, forward and backward (models/common/layer_graphs.py):
     # removes most of the host's kernel-launch time. GPU, dense models, packed rows, pp=tp=cp=1,

@@ -15,8 +15,9 @@ Modules:
   into the freed storage instead (one memcpy of the block, no compiler needed).
 - ``core_attn``, ``shared_experts``: megatron's own selective recompute of those modules
   (``tensor_parallel.checkpoint``: the block's internals are recomputed in backward).
-- ``moe_act``: megatron implements it for grouped-GEMM experts only; our MoE spec uses
-  SequentialMLP, so it is refused with that reason.
+- ``moe_act``: the routed experts' weighted SwiGLU (models/common/grouped_experts.py): the
+  experts keep fc1's output and regenerate the activation in backward from it, with the same
+  kernel, so the result is the same bits; saves [tokens x top-k, moe_ffn_hidden_size] per layer.
 
 Flags are set on the built modules rather than through TransformerConfig so the choice stays
 in the training recipe (``train``) and needs no change to the model builders. Recompute is
@@ -28,8 +29,8 @@ from __future__ import annotations
 
 import torch
 
-SUPPORTED = ("core_attn", "layernorm", "shared_experts", "gdn_qkv", "gdn_norm_out")
-KNOWN = SUPPORTED + ("moe_act",)
+SUPPORTED = ("core_attn", "layernorm", "shared_experts", "gdn_qkv", "gdn_norm_out", "moe_act")
+KNOWN = SUPPORTED
 
 
 def check_modules(modules: list[str], cp: int = 1) -> str | None:
@@ -37,9 +38,6 @@ def check_modules(modules: list[str], cp: int = 1) -> str | None:
     unknown = sorted(set(modules) - set(KNOWN))
     if unknown:
         return f"unknown recompute module(s) {unknown}; choose from {list(KNOWN)}"
-    if "moe_act" in modules:
-        return ("moe_act recompute needs grouped-GEMM experts (megatron-core implements it there only); "
-                "our MoE layers use SequentialMLP, so drop moe_act")
     if cp > 1 and ("gdn_qkv" in modules or "gdn_norm_out" in modules):
         return "gdn_qkv / gdn_norm_out recompute is not implemented with context parallelism (parallel.cp > 1)"
     return None
@@ -49,6 +47,8 @@ def sweep_choices(model_cfg) -> list[list[str]]:
     """The recompute choices a memory sweep compares: none, each module this model has alone,
     then all of them together."""
     choices = [[], ["layernorm"], ["gdn_qkv"], ["gdn_norm_out"], ["core_attn"]]
+    if model_cfg.num_experts:
+        choices.append(["moe_act"])
     if model_cfg.num_experts and model_cfg.moe_shared_expert_intermediate_size:
         choices.append(["shared_experts"])
     choices.append(sorted({m for c in choices for m in c}))
@@ -78,6 +78,9 @@ def apply_recompute(model: torch.nn.Module, modules: list[str]) -> int:
             changed += 1
         if "shared_experts" in modules and isinstance(layer.mlp, MoELayer) and layer.mlp.shared_experts is not None:
             layer.mlp.shared_experts_recompute = True
+            changed += 1
+        if "moe_act" in modules and isinstance(layer.mlp, MoELayer) and hasattr(layer.mlp.experts, "recompute_act"):
+            layer.mlp.experts.recompute_act = True
             changed += 1
         norm = "layernorm" in modules
         is_gdn = isinstance(mixer, Qwen35GatedDeltaNet)

@@ -11,7 +11,8 @@ Fused / split tensors:
 - attention ``linear_qkv``: per query group g, [q heads of g | gate heads of g | k_g | v_g];
   HF's ``q_proj`` holds, per head, [q_h | gate_h].
 - MLP / experts ``linear_fc1`` = [gate_proj | up_proj] (megatron's GLU applies the
-  activation to the first half).
+  activation to the first half); the routed experts of a layer are stacked on a leading expert
+  axis (``experts.linear_fc1.weight`` [E, 2F, H], ``experts.linear_fc2.weight`` [E, H, F]).
 - vision ``patch_embed``: a linear layer on the flat (C, t, p, p) patch = HF's Conv3d weight
   reshaped.
 """
@@ -152,18 +153,24 @@ def _vision_pairs(m: ModelConfig) -> list[tuple[str, str]]:
 
 
 def _mlp_pairs(prefix_ours: str, prefix_hf: str, m: ModelConfig) -> list[tuple[str, list[str]]]:
-    """(our fc1/fc2 name, HF names) for the dense MLP, the routed experts and the shared expert."""
+    """(our fc1/fc2 name, HF names) for the dense MLP, the router and the shared expert (the routed
+    experts are stacked: ``_expert_names``)."""
     glu = lambda o, h: [(f"{o}.linear_fc1.weight", [f"{h}.gate_proj.weight", f"{h}.up_proj.weight"]),  # noqa: E731
                         (f"{o}.linear_fc2.weight", [f"{h}.down_proj.weight"])]
     if not m.num_experts:
         return glu(prefix_ours, prefix_hf)
     out = [(f"{prefix_ours}.router.weight", [f"{prefix_hf}.gate.weight"])]
-    for e in range(m.num_experts):
-        out += glu(f"{prefix_ours}.experts.local_experts.{e}", f"{prefix_hf}.experts.{e}")
     if m.moe_shared_expert_intermediate_size:
         out += glu(f"{prefix_ours}.shared_experts", f"{prefix_hf}.shared_expert")
         out.append((f"{prefix_ours}.shared_experts.gate_weight", [f"{prefix_hf}.shared_expert_gate.weight"]))
     return out
+
+
+def _expert_names(m: ModelConfig, i: int) -> tuple[str, str, str]:
+    """Our stacked expert weights of layer i (fc1 [E, 2F, H], fc2 [E, H, F]) and the HF prefix
+    of its per-expert tensors (``<prefix>.<e>.gate_proj.weight`` ...)."""
+    o = f"language_model.decoder.layers.{i}.mlp.experts"
+    return f"{o}.linear_fc1.weight", f"{o}.linear_fc2.weight", f"{HF_PREFIX}layers.{i}.mlp.experts"
 
 
 def _layer_pairs(m: ModelConfig, i: int) -> list[tuple[str, list[str]]]:
@@ -206,6 +213,12 @@ def hf_to_ours(hf: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.T
     for i in range(m.num_layers):
         for ours, names in _layer_pairs(m, i):
             out[ours] = torch.cat([get(n) for n in names]) if len(names) > 1 else get(names[0])
+        if m.num_experts:
+            fc1, fc2, e = _expert_names(m, i)
+            experts = range(m.num_experts)
+            out[fc1] = torch.stack([torch.cat([get(f"{e}.{j}.gate_proj.weight"), get(f"{e}.{j}.up_proj.weight")])
+                                    for j in experts])
+            out[fc2] = torch.stack([get(f"{e}.{j}.down_proj.weight") for j in experts])
         if m.is_full_attention(i):
             a = f"{HF_PREFIX}layers.{i}.self_attn"
             out[f"language_model.decoder.layers.{i}.self_attention.linear_qkv.weight"] = _attn_qkv_from_hf(
@@ -233,6 +246,11 @@ def ours_to_hf(ours: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch
                 hf.update(zip(names, torch.split(t, _gdn_sizes(m))))
             else:  # GLU fc1: [gate | up]
                 hf.update(zip(names, torch.chunk(t, 2)))
+        if m.num_experts:
+            fc1, fc2, e = _expert_names(m, i)
+            for j, (w1, w2) in enumerate(zip(ours[fc1], ours[fc2])):
+                hf[f"{e}.{j}.gate_proj.weight"], hf[f"{e}.{j}.up_proj.weight"] = torch.chunk(w1, 2)
+                hf[f"{e}.{j}.down_proj.weight"] = w2
         if m.is_full_attention(i):
             a = f"{HF_PREFIX}layers.{i}.self_attn"
             q, k, v = _attn_qkv_to_hf(ours[f"language_model.decoder.layers.{i}.self_attention.linear_qkv.weight"], m)

@@ -6,11 +6,13 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
 from models.base import MultimodalModel
 from models.common import norms, swiglu
 from models.common.moe_aux_loss import use_group_mean_token_count
+from models.common.moe_dispatch import GroupedDispatcher
 from models.common.moe_nvtx import add_moe_nvtx_ranges
 from models.qwen35_vl import attention as attn_mod
 from models.qwen35_vl import gdn as gdn_mod
@@ -106,7 +108,7 @@ def transformer_config(cfg, parallel, params_dtype: torch.dtype, deterministic: 
             moe_aux_loss_coeff=m.moe_aux_loss_coeff,
             moe_router_load_balancing_type="aux_loss",
             moe_token_dispatcher_type=m.moe_token_dispatcher,
-            moe_grouped_gemm=False,
+            moe_grouped_gemm=False,  # megatron's flag means Transformer Engine; ours: specs.GroupedExperts
             moe_router_dtype="fp32",
             # combined 1F1B: the model then needs build_schedule_plan (MultimodalModel has it)
             overlap_moe_expert_parallel_comm=overlap,
@@ -213,6 +215,8 @@ def build(cfg, parallel, params_dtype: torch.dtype, pre_process: bool = True, po
     for module in language.modules():
         if isinstance(module, SharedExpertMLP):
             _enter_through_one_node(module)
+        if isinstance(module, MoELayer):
+            GroupedDispatcher.adopt(module)  # token counts stay on the device for the grouped experts
     if parallel.tp > 1:
         # The GDN output norm's weight (one per value-head channel, shared by all heads) is
         # replicated over TP but each rank only sees its own heads, so its gradient is a partial

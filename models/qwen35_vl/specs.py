@@ -7,6 +7,9 @@ Every layer: zero-centred RMSNorm -> mixer -> residual -> RMSNorm -> MLP or MoE 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
@@ -22,6 +25,7 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
+from models.common.grouped_experts import GroupedExperts
 from models.common.norms import GatedRMSNorm, RMSNorm
 from models.qwen35_vl.attention import CoreAttention, MRopeSelfAttention
 from models.qwen35_vl.gdn import Qwen35GatedDeltaNet
@@ -48,8 +52,17 @@ def _mixer_spec(kind: str) -> ModuleSpec:
     )
 
 
-def layer_spec(kind: str, num_experts: int | None) -> ModuleSpec:
+def _mlp_spec(num_experts: int | None):
+    """megatron's local MLP, or its MoELayer (router, shared expert) with our grouped experts."""
     mlp = get_mlp_module_spec_for_backend(LocalSpecProvider(), num_experts=num_experts, moe_grouped_gemm=False)
+    if not num_experts:
+        return mlp
+    submodules = dataclasses.replace(mlp.keywords["submodules"], experts=GroupedExperts)
+    return functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": submodules})
+
+
+def layer_spec(kind: str, num_experts: int | None) -> ModuleSpec:
+    mlp = _mlp_spec(num_experts)
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
