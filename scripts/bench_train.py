@@ -7,8 +7,12 @@
    forward-backward schedule, prefetch) runs ``warmup + steps`` iterations; the timed figures
    come from its own metrics (``logging.interval = gcd(warmup, steps)``, so the windows after
    the warm-up cover exactly the timed steps).
-2. The model, optimizer and process-group state are then dropped (``gc.collect``,
-   ``torch.cuda.empty_cache``, peak stats reset) and transformers' model is built from the same
+2. On a GPU our run happens in a fresh child process (spawned), so that everything it
+   allocated is gone when it exits: an MoE run left 81 GiB allocated after its model, optimizer
+   and process groups were dropped in-process (``mem_after_free_gib`` reports what our run still
+   held after ``gc.collect`` and ``torch.cuda.empty_cache``; it no longer reaches the other
+   half). Without the transformers half, or on the CPU, ours runs in-process. Then
+   transformers' model is built from the same
    model section (``models.qwen35_vl.hf.hf_config_from_ours``) with random weights in the same
    dtype, SDPA attention, flash-linear-attention's GDN kernels when importable, and
    ``torch.optim.AdamW(fused=True)`` on CUDA. It trains on the very batches our run consumed
@@ -99,6 +103,41 @@ def captures_in_timed_steps(rows: list[dict], warmup: int) -> int | None:
         return None
     before = [r.get("cuda_graph_captures", 0) for r in rows if r["step"] <= warmup]
     return rows[-1].get("cuda_graph_captures", 0) - (before[-1] if before else 0)
+
+
+def _ours_child(cfg, warmup: int, steps: int, queue) -> None:
+    """Spawned: run ours, report what stayed allocated, exit (which frees the GPU for transformers)."""
+    import traceback
+
+    try:
+        from kernels.gated_delta_rule import gdn_backend
+        from multimodal.platform import init_distributed
+
+        init_distributed()
+        ours = run_ours(cfg, warmup, steps)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        ours["mem_after_free_gib"] = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None
+        ours["gdn_kernels"] = gdn_backend(cfg.model.gdn_backend)
+        queue.put(("ok", ours))
+    except BaseException as e:  # noqa: BLE001 - the parent reports it
+        queue.put(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-4000:]}"))
+
+
+def run_ours_in_fresh_process(cfg, warmup: int, steps: int) -> dict:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_ours_child, args=(cfg, warmup, steps, queue))
+    child.start()
+    status, payload = queue.get()
+    child.join()
+    if status != "ok":
+        raise BenchError(f"our run failed in its process: {payload}")
+    return payload
 
 
 # ------------------------------------------------------------------ the same batches
@@ -393,6 +432,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--ab", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                     help="after ours, run ours again with these overrides, then as given again (A, B, A in one "
                          "process, so caches and autotuning are shared); repeatable")
+    ap.add_argument("--ours-process", choices=("auto", "fresh", "same"), default="auto",
+                    help="run ours in a spawned process (auto: on a GPU when the transformers half follows)")
     ap.add_argument("--hf-gdn", choices=("auto", "fla", "torch"), default="auto",
                     help="transformers' GDN kernels: fla when importable on CUDA (auto), or its PyTorch path")
     args = ap.parse_intermixed_args(argv)  # overrides may come before or after the options
@@ -426,7 +467,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     dtype = resolve_dtype(cfg.train.precision, rt)
 
-    ours = run_ours(cfg, args.warmup, args.steps)
+    fresh = args.ours_process == "fresh" or (args.ours_process == "auto" and rt.is_cuda and not args.skip_hf)
+    ours = run_ours_in_fresh_process(cfg, args.warmup, args.steps) if fresh else run_ours(cfg, args.warmup, args.steps)
     from kernels.gated_delta_rule import gdn_backend
 
     ab = ab_runs(args, out_dir, forced, rt) if args.ab else None
@@ -445,13 +487,17 @@ def main(argv: list[str] | None = None) -> dict:
         "seq_length": cfg.train.seq_length,
         "global_batch_size": cfg.train.global_batch_size,
         "peak_tflops": __import__("multimodal.flops", fromlist=["x"]).device_peak_tflops(cfg.logging.peak_tflops),
-        **{k: v for k, v in ours.items() if k != "supervised_tokens_per_window"},
-        "mem_after_free_gib": torch.cuda.memory_allocated() / 2**30 if rt.is_cuda else None,
+        **{k: v for k, v in ours.items() if k not in ("supervised_tokens_per_window", "mem_after_free_gib",
+                                                        "gdn_kernels")},
+        # what our run held after its objects were dropped (on a GPU, measured in its own process)
+        "mem_after_free_gib": ours.get("mem_after_free_gib",
+                                       torch.cuda.memory_allocated() / 2**30 if rt.is_cuda else None),
+        "ours_in_fresh_process": fresh,
         # real tokens / the tokens each step processes (pad included): how full the rows are
         "real_token_fraction": ours["tokens_per_s"] * ours["step_time_s"]
         / (cfg.train.global_batch_size * cfg.train.seq_length),
         # the GDN delta-rule kernels our run used (model.gdn_backend resolved: flash_qla | fla | torch)
-        "gdn_kernels": gdn_backend(cfg.model.gdn_backend),
+        "gdn_kernels": ours.get("gdn_kernels") or gdn_backend(cfg.model.gdn_backend),
         "torch": torch.__version__,
     }
     if ab is not None:

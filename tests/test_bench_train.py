@@ -33,9 +33,11 @@ def _positive(x):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("feed", ["row", "samples"])
-def test_bench_train_runs_both_frameworks_on_cpu(tmp_path, feed):
-    res, proc = _bench(tmp_path, "--warmup", "1", "--steps", "2", "--hf-feed", feed)
+@pytest.mark.parametrize("feed,process", [("row", "fresh"), ("samples", "same")])
+def test_bench_train_runs_both_frameworks_on_cpu(tmp_path, feed, process):
+    """``fresh``: our run in a spawned process (the GPU default), its figures sent back."""
+    res, proc = _bench(tmp_path, "--warmup", "1", "--steps", "2", "--hf-feed", feed, "--ours-process", process)
+    assert res["ours_in_fresh_process"] is (process == "fresh")
     for key in ("tokens_per_s", "tflops_per_gpu", "mfu", "peak_mem_gib", "hf_tokens_per_s", "speedup_vs_hf",
                 "hf_tflops_per_gpu", "hf_mfu", "step_time_s", "hf_step_time_s", "loss_last", "hf_loss_last"):
         assert _positive(res[key]), (key, res[key])
