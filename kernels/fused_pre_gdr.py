@@ -15,7 +15,7 @@ pass over memory, and autograd keeps most intermediates. Here:
   db, da. (2) a 4-tap fold, dx[t] = sum_j w[3-j] du[t+j]. Saved tensors: the inputs only
   (views of the in_proj output, which is alive anyway). A one-pass backward that rebuilt du
   at t..t+3 in registers measured 3.6x slower on the H200: its per-token-block reductions,
-  not memory, bound it (docs/benchmarks/kernels.md).
+  not memory, bound it (docs/kernels.md).
 
 Whole-projection entry (``fused_pre_gdr_from_proj``, what the model uses): the Function takes
 in_proj's whole output [B, S, qkv | z | b | a] and returns z as a view of it. Its backward
@@ -99,7 +99,8 @@ if triton is not None:
 
     def _configs(*choices):
         """(BLOCK_T, num_warps) pairs; the first is the only one when autotuning is off. Chosen from
-        the H200 sweep (scripts/sweep_pre_gdr.py, docs/benchmarks/README.md session 8): small token
+        the H200 launch-config sweep (docs/kernels.md, Fused Triton kernels; raw results in
+        docs/benchmarks/kernels_pre_gdr_launch_configs_2b_9b_8k_h200_2026-12-01.json): small token
         blocks with few warps won for every kernel, and the backward's per-program dw partials
         (4 x BLOCK_T x BLOCK_C fp32) spill registers beyond BLOCK_T 16. That sweep ran while each
         program still searched cu_seqlens itself (latency-bound); larger blocks are candidates
@@ -116,7 +117,7 @@ if triton is not None:
         A binary search per token for the last offset <= s: CU_STEPS = log2 of the bucketed offset
         count loads per token. (Comparing every token with every offset cost as much as the
         kernels' own work once CUDA graphs padded cu_seqlens to 66 offsets: _pre_gdr_fwd went
-        from 3.0 to 6.1 ms per 2B step, docs/benchmarks/README.md session 6.)"""
+        from 3.0 to 6.1 ms per 2B step on the H200.)"""
         lo = tl.zeros_like(s)  # cu[lo] <= s holds throughout (cu[0] = 0)
         hi = tl.zeros_like(s) + (n_cu - 1)
         for _ in tl.static_range(CU_STEPS):
@@ -407,7 +408,7 @@ def _backward(qkv, b, a, weight, A_log, dt_bias, bounds, varlen, nk, K, V, dq, d
         BLOCK_C=triton.next_power_of_2(max(K, V)), TPP=tpp,
     )
     # phase 2: fold the taps back onto the conv input
-    bt = 32 if interpreting() else 16  # 16 x 128 with 2 warps: best of the H200 sweep (session 8)
+    bt = 32 if interpreting() else 16  # 16 x 128 with 2 warps: best of the H200 launch-config sweep (docs/kernels.md)
     _conv_fold[(triton.cdiv(S, bt), triton.cdiv(C, 128), B)](
         du, weight, bounds, dx, S, dx.stride(0), dx.stride(1), C=C, VARLEN=varlen, BLOCK_T=bt, BLOCK_C=128,
         num_warps=2,

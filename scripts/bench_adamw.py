@@ -111,7 +111,7 @@ def main() -> None:
     starts, state_starts, lengths = chunk_table(list(zip(offsets, numels)), dev)
     for k in range(1, 4):
         # torch.optim.AdamW increments the step before its kernel reads it (step 0 would divide by
-        # a zero bias correction: session 9's nan and session 10's all-non-finite parameters)
+        # a zero bias correction and makes every parameter non-finite)
         torch._foreach_add_(rsteps, 1)
         torch._fused_adamw_(rps, views(g32.clone()), rms, rvs, [], rsteps, amsgrad=False, maximize=False,
                             grad_scale=scale, **hp)

@@ -3,8 +3,8 @@
     python scripts/bench_attention.py [--json OUT] [--seq 8192] [--samples 1,4]
 
 Why: on the 2B issue batch the full-attention backward at head_dim 256 (flash attention 2,
-through ``torch.nn.attention.varlen``) is ~20 ms of a ~240 ms step (docs/benchmarks/README.md,
-session 6). This measures which kernel the packed layout should use. Backends, each on the
+through ``torch.nn.attention.varlen``) was ~20 ms of a ~240 ms step on the H200. This measures
+which kernel the packed layout should use. Backends, each on the
 same packed inputs ``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` with ``cu_seqlens``:
 
 - ``flash_varlen``: what ``models/common/attention.py`` runs today (GQA inside the kernel);

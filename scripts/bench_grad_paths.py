@@ -9,8 +9,8 @@
    straight into main_grad (``model.grad_accum_fusion``).
 3. AdamW over 2.18B fp32 elements in 343 tensors: torch's ``_fused_adamw_`` plus the fp32 -> bf16
    parameter copy, against one Triton kernel that also writes the bf16 copy.
-Prints milliseconds and GB/s over the bytes each must move. Figures: docs/benchmarks/README.md
-(session 7).
+Prints milliseconds and GB/s over the bytes each must move. Figures: docs/kernels.md (weight-gradient
+accumulation fusion).
 """
 import sys
 

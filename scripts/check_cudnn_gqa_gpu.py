@@ -1,5 +1,5 @@
-"""cuDNN attention with grouped k/v heads handed over as they are vs repeated (the path before
-session 13), on a GPU: forward and input gradients, and the time of each.
+"""cuDNN attention with grouped k/v heads handed over as they are vs repeated (the earlier path),
+on a GPU: forward and input gradients, and the time of each.
 
     python scripts/check_cudnn_gqa_gpu.py [--tokens 8192 --q-heads 8 --kv-heads 2 --head-dim 256]
 

@@ -125,7 +125,7 @@ def _worker(out: str) -> None:
 
 
 @pytest.mark.parametrize("path, total, active", [
-    ("configs/qwen35_vl_2b.yaml", 2.21e9, None),  # 2213M counted by the trainer on the H200 run (docs/benchmarks)
+    ("configs/qwen35_vl_2b.yaml", 2.21e9, None),  # 2213M counted by the trainer on an H200 (docs/performance.md)
     ("configs/qwen35_vl_9b.yaml", 9.4e9, None),
     ("configs/qwen35_vl_35b_a3b.yaml", 35e9, 3),
     ("configs/qwen35_vl_397b_a17b.yaml", 397e9, 17),

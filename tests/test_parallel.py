@@ -30,7 +30,7 @@ MOE = "configs/qwen35_vl_proxy_moe.yaml"
 STEPS = 4
 # Losses are means over ~100-200 supervised tokens of O(7); fp32 with a different reduction
 # order (TP all-reduce, DP reduce-scatter, pipeline split) differs in the last bits, which
-# Adam amplifies over a few steps. Measured max |diff| is ~1e-6 (see README); 2e-4 leaves room
+# Adam amplifies over a few steps. Measured max |diff| is ~1e-6 (docs/parallelism.md); 2e-4 leaves room
 # for other CPUs / BLAS builds while still failing on any real error (a wrong mask, a missing
 # all-reduce or a double scaling moves the loss by > 1e-2 at step 2).
 LOSS_TOL = 2e-4
