@@ -4,7 +4,8 @@ Two shapes, both with ``offs`` the int32 end offset of each group (``cumsum(toke
 - ``a`` [N, K] x ``b`` [G, K, M] -> [N, M]: rows offs[g-1]:offs[g] of ``a`` times ``b[g]``
   (the forward and the input gradient of each expert's linear layer);
 - ``a`` [K, N] x ``b`` [N, M] -> [G, K, M]: group g is ``a[:, rows] @ b[rows]`` over its rows
-  (the weight gradient). An empty group gives zeros.
+  (the weight gradient). An empty group gives zeros (checked on the GPU by
+  scripts/check_grouped_experts_gpu.py, which fails if torch's kernel ever leaves it unwritten).
 
 The fast path is torch's grouped GEMM (CUTLASS, one launch for all groups, offsets read on the
 device, so no host sync): CUDA, compute capability >= 9.0, bf16. ``grouped_mm_reference`` is the
@@ -63,11 +64,6 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
     if reason is not None:
         _warn_fallback(reason)
         return grouped_mm_reference(a, b, offs)
-    out = torch._grouped_mm(a, b, offs=offs)
-    if b.dim() == 2:
-        # The weight-gradient form leaves the output of an empty group unwritten on some torch
-        # builds; zero it so an expert that saw no token gets a zero gradient, not stale memory.
-        # (A [G] mask multiply; G x K x M elements, small next to the GEMMs.)
-        empty = offs.diff(prepend=offs.new_zeros(1)) == 0
-        out = out.masked_fill(empty[:, None, None], 0)
-    return out
+    # An empty group of the weight-gradient form comes back as zeros (torch 2.11 on an H200,
+    # scripts/check_grouped_experts_gpu.py: torch_zeroes_empty_wgrad_groups), so no mask pass.
+    return torch._grouped_mm(a, b, offs=offs)

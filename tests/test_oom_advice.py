@@ -29,8 +29,9 @@ def test_advice_keeps_what_is_set_and_skips_gdn_blocks_under_context_parallelism
     cfg = load_config(ROOT / "configs/qwen35_vl_proxy_moe.yaml",
                       ["train.recompute_modules=[core_attn]", "parallel.cp=2", "train.cuda_graphs=false"])
     text = advice(cfg, 1)
-    # the MoE proxy has shared experts; GDN recompute is not implemented with cp > 1
-    assert "train.recompute_modules=[core_attn,layernorm,shared_experts]; measured" in text
+    # the MoE proxy has routed experts (moe_act) and shared experts; GDN recompute is not
+    # implemented with cp > 1
+    assert "train.recompute_modules=[core_attn,layernorm,moe_act,shared_experts]; measured" in text
     assert "gdn_qkv" not in text and "cuda_graphs=false" not in text
     assert "parallel.cp=4" in text
     done = load_config(ROOT / "configs/qwen35_vl_proxy.yaml",
