@@ -133,7 +133,7 @@ class DeferredGradScale:
     Each step megatron multiplies every gradient by 1/(supervised tokens) (finalize_model_grads,
     with calculate_per_token_loss) and then by the clipping coefficient: two read-and-write passes
     over 4 bytes x parameters, ~15 ms of a 0.3 s step on the 2B recipe (H200 profile,
-    docs/benchmarks/README.md). torch's fused AdamW divides each gradient by its ``grad_scale``
+    docs/kernels.md). torch's fused AdamW divides each gradient by its ``grad_scale``
     tensor as it reads it (the AMP hook), so here both factors are kept as one device scalar
     instead: the DDP wrapper's ``scale_gradients`` records the token factor, the gradient norm is
     computed from the unscaled gradients and multiplied by it (same value up to rounding), the

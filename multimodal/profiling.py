@@ -51,7 +51,7 @@ CATEGORIES = [
     ("ours: fused triton", r"mrope|pre_gdr|linear_ce|_lce_"),
     ("attention (flash)", r"flash|fmha|attention|_attn_"),
     # fla's Triton and TileLang kernels and FlashQLA's (``*_gdr_*``); ``kernel_kernel`` is what
-    # TileLang names fla 0.6.0's dqkwg backward kernel (session 11/12 profiles: 18 per step, one per GDN layer)
+    # TileLang names fla 0.6.0's dqkwg backward kernel (2B profiles: 18 per step, one per GDN layer)
     ("linear attention (fla/tilelang)", r"chunk_|delta|kkt|solve_tril|recompute_w_u|causal_conv1d|l2norm"
                                         r"|cumsum_|tilelang|^main_kernel|gated_delta|_gdn|wy_repr|_gdr|^kernel_kernel$"),
     ("gemm", r"gemm|cutlass|cublas|nvjet|sm90_xmma|sm80_xmma|_xmma_|matmul|wgmma|splitk"),

@@ -16,7 +16,7 @@ Backends:
   that the caller says is one segment (``one_segment``); ``varlen`` for other packed rows; else
   ``sdpa``. cuDNN only on Hopper or newer with cuDNN >= 9: on the H200 at head_dim 256 it runs the
   8K causal forward 2.0x and the backward 1.5x faster than flash attention 2, at head_dim 64
-  (vision) 1.5x and 1.4-1.6x (scripts/bench_attention.py, docs/benchmarks/README.md session 7).
+  (vision) 1.5x and 1.4-1.6x (scripts/bench_attention.py, docs/kernels.md).
   cuDNN's ragged (packed) path is not used: in torch 2.11 it returned wrong dq and then faulted.
 Asking for a backend that cannot run raises; ``auto`` falling back logs once, loudly.
 """

@@ -1,7 +1,7 @@
 """CUDA graphs for the decoder layers (``train.cuda_graphs``).
 
 Why: on the 2B recipe the GPU idled ~40% of each step because the host could not issue the
-~4,800 kernels of a step fast enough (docs/benchmarks/README.md, session 4). A CUDA graph per
+~4,800 kernels of a step fast enough (docs/kernels.md, CUDA graphs). A CUDA graph per
 decoder layer and direction replays all of a layer's kernels with one host call.
 
 How:
@@ -417,7 +417,7 @@ def graph_backward(graph: LayerGraph):
             # megatron's placeholder (an unwritten weight-sized tensor): kept as a static output it
             # would hold graph-pool memory the size of every fused weight, never read (param_grads
             # hands autograd fresh ones). Likely the 2.5 GiB more peak the 2B showed with fusion
-            # on the H200 in session 8 (bf16 decoder linears: ~1.3G parameters).
+            # on the H200 (bf16 decoder linears: ~1.3G parameters).
             g = None
         elif graph.to_main_grad and g is not None and getattr(p, "main_grad", None) is not None:
             mains.append(p.main_grad)  # replayed: main_grad += this micro-batch's gradient

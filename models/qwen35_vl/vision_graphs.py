@@ -4,7 +4,7 @@ per patch-count bucket.
 Why: with the decoder layers replayed as graphs, the profile of the 2B step showed the GPU idle
 ~47 ms per step (of ~300) inside the eager vision encoder: a micro-batch's few hundred to few
 thousand patches make kernels of microseconds, and the host spends longer issuing each of a
-block's ~60 launches than the GPU spends running it (docs/benchmarks/README.md, session 6).
+block's ~60 launches than the GPU spends running it (docs/kernels.md, CUDA graphs).
 
 How:
 - The patch count changes with every micro-batch, so the blocks' input is padded with zero rows
