@@ -8,10 +8,9 @@
    come from its own metrics (``logging.interval = gcd(warmup, steps)``, so the windows after
    the warm-up cover exactly the timed steps).
 2. On a GPU our run happens in a fresh child process (spawned), so that everything it
-   allocated is gone when it exits: an MoE run left 81 GiB allocated after its model, optimizer
-   and process groups were dropped in-process (``mem_after_free_gib`` reports what our run still
-   held after ``gc.collect`` and ``torch.cuda.empty_cache``; it no longer reaches the other
-   half). Without the transformers half, or on the CPU, ours runs in-process. Then
+   allocated is gone when it exits (an MoE run once kept 81 GiB after its objects were dropped;
+   ``mem_after_free_gib`` reports what our run still held after ``gc.collect`` and
+   ``torch.cuda.empty_cache``, and none of it reaches the other half). Without the transformers half, or on the CPU, ours runs in-process. Then
    transformers' model is built from the same
    model section (``models.qwen35_vl.hf.hf_config_from_ours``) with random weights in the same
    dtype, SDPA attention, flash-linear-attention's GDN kernels when importable, and

@@ -257,3 +257,33 @@ def test_checkpoint_in_the_sequential_layout_loads_and_round_trips(mcore, tmp_pa
     _, plain = proxy_model(["model.num_experts=4", "model.init_method_std=0.5"], config=MOE)
     plain.load_state_dict(old_sd)
     assert all(torch.equal(t, expected(n)) for n, t in plain.state_dict().items() if not n.endswith("_extra_state"))
+
+
+# ---------------------------------------------------------------------------- memory after training
+
+_FREED_CHECK = """
+import gc, sys, torch
+sys.path.insert(0, {root!r})
+from multimodal.config import load_config
+from multimodal.platform import init_distributed
+from multimodal.training import train
+cfg = load_config("configs/qwen35_vl_proxy_moe.yaml", ["train.iters=2", "checkpoint.dir=null",
+                  "logging.dir={log}", "logging.progress_bar=false", "logging.tensorboard=false",
+                  "checkpoint.save_at_end=false"])
+init_distributed()
+train(cfg)
+gc.collect()
+print("LIVE", sum(isinstance(o, torch.nn.Parameter) for o in gc.get_objects()))
+"""
+
+
+def test_a_finished_moe_run_frees_its_model(tmp_path):
+    """The dispatcher used to keep the router probabilities, whose autograd graph holds DDP's
+    hooks and through them the model: nothing of a finished run could be freed."""
+    script = _FREED_CHECK.format(root=str(ROOT), log=str(tmp_path / "log"))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    live = [line for line in proc.stdout.splitlines() if line.startswith("LIVE")]
+    assert live == ["LIVE 0"], proc.stdout[-2000:]
