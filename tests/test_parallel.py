@@ -234,6 +234,26 @@ def test_ep2_flat_adamw_matches_one_process(tmp_path, moe_init, moe_ref):
 
 
 @pytest.mark.slow
+def test_ep2_distributed_optimizer_matches_one_process(tmp_path, moe_init, moe_ref):
+    """The grouped experts' stacked weights in megatron's distributed optimizer: dense parameters
+    sharded over DP = 2, expert parameters in the expert-parallel buffers (expert DP = 1)."""
+    got = _run(tmp_path, MOE, *ONE_PER_ROW, f"checkpoint.load={moe_init}", "parallel.ep=2",
+               "parallel.use_distributed_optimizer=true", nproc=2)
+    _compare(moe_ref, got, "ep2 + distributed optimizer")
+
+
+@pytest.mark.slow
+def test_tp2_moe_expert_tensor_parallel_matches_one_process(tmp_path, moe_init, moe_ref):
+    """TP=2 with sequence parallelism splits every expert over the two ranks (megatron's expert
+    TP = TP): the grouped experts hold [gate_r | up_r] rows of fc1 and columns of fc2, load those
+    shards from the one-process checkpoint, and the dispatcher all-gathers / reduce-scatters the
+    tokens over TP around them."""
+    got = _run(tmp_path, MOE, *ONE_PER_ROW, f"checkpoint.load={moe_init}", "parallel.tp=2",
+               "parallel.sequence_parallel=true", nproc=2)
+    _compare(moe_ref, got, "tp2+sp (MoE, expert TP 2)")
+
+
+@pytest.mark.slow
 def test_pp2_moe_untied_matches_one_process(tmp_path, moe_init, moe_ref):
     """MoE layers (and their aux loss) on both stages, untied embedding and output layer."""
     got = _run(tmp_path, MOE, *ONE_PER_ROW, f"checkpoint.load={moe_init}", "parallel.pp=2", nproc=2)
