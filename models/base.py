@@ -30,6 +30,11 @@ def scatter_image_features(emb: torch.Tensor, is_image: torch.Tensor, features: 
     return flat.index_copy(0, pos, features.to(flat.dtype)).view(B, S, H).transpose(0, 1)
 
 
+# The parts ``model.freeze`` names (multimodal/freeze.py); ``MultimodalModel.parameter_group``
+# says which one a parameter belongs to.
+PARAMETER_GROUPS = ("vision", "merger", "language", "embedding", "lm_head")
+
+
 class MultimodalModel(MegatronModule):
     def __init__(self, config, language_model, vision_model, image_token_id: int, pre_process: bool = True,
                  post_process: bool = True):
@@ -41,6 +46,16 @@ class MultimodalModel(MegatronModule):
         self.image_token_id = image_token_id
         self.pre_process, self.post_process = pre_process, post_process
         self.share_embeddings_and_output_weights = language_model.share_embeddings_and_output_weights
+
+    def parameter_group(self, name: str) -> str:
+        """The PARAMETER_GROUPS entry of a parameter, by its name in ``named_parameters()``."""
+        if name.startswith("vision_model."):
+            return self.vision_model.parameter_group(name[len("vision_model."):])
+        if name.startswith("language_model.embedding."):
+            return "embedding"
+        if name.startswith("language_model.output_layer."):
+            return "lm_head"
+        return "language"
 
     def set_input_tensor(self, input_tensor) -> None:
         self.language_model.set_input_tensor(input_tensor)

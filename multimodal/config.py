@@ -118,6 +118,11 @@ class ModelConfig:
     # s/step); off otherwise (eager it measured slower, 0.377 vs 0.342). true = on (exact fp32
     # accumulation of every weight gradient), or an error where it cannot run.
     grad_accum_fusion: bool | None = None
+    # Parts of the model that do not train (multimodal/freeze.py), any of: vision (the ViT: patch
+    # and position embeddings, blocks), merger (the patch merger into the LM), language (decoder
+    # layers and final norm), embedding (token embedding), lm_head (output layer). Frozen weights
+    # get no gradient buffer and no optimizer state, and stay bit-identical.
+    freeze: list[str] = field(default_factory=list)
     vision: VisionConfig = field(default_factory=VisionConfig)
 
     def is_full_attention(self, layer: int) -> bool:
@@ -417,6 +422,11 @@ def validate(cfg: Config, world_size: int = 1) -> None:
                  f"train.cuda_graph_vision_bucket must be 0 (vision eager) or a positive multiple of "
                  f"model.vision.spatial_merge_size^2 = {merge2}, got {t.cuda_graph_vision_bucket}")
         _require(t.cuda_graph_vision_max_buckets >= 1, "train.cuda_graph_vision_max_buckets must be >= 1")
+    if m.freeze:
+        from multimodal.freeze import check_freeze
+
+        why = check_freeze(m.freeze, m.tie_word_embeddings, t.cuda_graphs)
+        _require(why is None, f"model.freeze: {why}")
     if t.recompute_modules:
         from multimodal.recompute import check_modules
 

@@ -184,15 +184,20 @@ def _divisors(n: int) -> list[int]:
 # ---------------------------------------------------------------- parameters
 
 
+def merger_params(m: ModelConfig) -> int:
+    """The 2x2 patch merger: LayerNorm, fc1, fc2 (with biases)."""
+    h = m.vision.hidden_size
+    merged = h * m.vision.spatial_merge_size**2
+    return 2 * h + (merged * merged + merged) + (merged * m.hidden_size + m.hidden_size)
+
+
 def vision_params(m: ModelConfig) -> int:
     """models/qwen35_vl/vision.py: patch embed, learned positions, ViT blocks, 2x2 merger (all with biases)."""
     v = m.vision
     h, f = v.hidden_size, v.intermediate_size
     patch = v.in_channels * v.temporal_patch_size * v.patch_size**2
     block = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (f * h + f) + (h * f + h)
-    merged = h * v.spatial_merge_size**2
-    merger = 2 * h + (merged * merged + merged) + (merged * m.hidden_size + m.hidden_size)
-    return (patch * h + h) + v.num_position_embeddings * h + v.depth * block + merger
+    return (patch * h + h) + v.num_position_embeddings * h + v.depth * block + merger_params(m)
 
 
 def gdn_params(m: ModelConfig, tp: int) -> int:
@@ -238,6 +243,8 @@ class StageParams:
     num_attention: int
     parts: dict[str, int] = field(default_factory=dict)  # component -> parameters on one rank
     expert: int = 0  # of the total, parameters in routed experts (expert-data-parallel)
+    frozen: int = 0  # of the total, parameters model.freeze holds still (no grad, no optimizer state)
+    frozen_expert: int = 0  # of the frozen, routed-expert parameters
 
     @property
     def total(self) -> int:
@@ -266,7 +273,17 @@ def stage_params(m: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1, stage: i
         # untied: its own matrix; tied: shared with the embedding on one stage, a synced copy when pp > 1
         "output": m.vocab_size // tp * h if last and (not m.tie_word_embeddings or not first) else 0,
     }
-    return StageParams(stage, n_gdn, n_attn, parts, parts["experts"])
+    frozen_by_group = {
+        "vision": parts["vision"] - (merger_params(m) if first else 0),
+        "merger": merger_params(m) if first else 0,
+        "language": sum(parts[k] for k in ("gdn", "attention", "norms", "mlp", "experts")),
+        "embedding": parts["embedding"],
+        "lm_head": parts["output"],
+    }
+    freeze = set(getattr(m, "freeze", ()))
+    frozen = sum(n for g, n in frozen_by_group.items() if g in freeze)
+    return StageParams(stage, n_gdn, n_attn, parts, parts["experts"], frozen,
+                       parts["experts"] if "language" in freeze else 0)
 
 
 def model_params(m: ModelConfig) -> tuple[int, int]:
@@ -368,11 +385,14 @@ def stage_memory(cfg: Config, lay: Layout, sp_: StageParams, overhead_gib: float
     """GiB per GPU of one pipeline stage (see activation_bytes_per_token for the activation terms)."""
     m, t = cfg.model, cfg.train
     weights = BF16 * sp_.total
-    grads = GRAD_BYTES * sp_.total
+    # frozen weights (model.freeze) have no gradient buffer and no optimizer state
+    dense_trained = sp_.dense - (sp_.frozen - sp_.frozen_expert)
+    expert_trained = sp_.expert - sp_.frozen_expert
+    grads = GRAD_BYTES * (dense_trained + expert_trained)
     if lay.distributed_optimizer:
-        optim = OPTIM_BYTES * (sp_.dense / (lay.dp * lay.cp) + sp_.expert / max(lay.edp, 1))
+        optim = OPTIM_BYTES * (dense_trained / (lay.dp * lay.cp) + expert_trained / max(lay.edp, 1))
     else:
-        optim = OPTIM_BYTES * sp_.total
+        optim = OPTIM_BYTES * (dense_trained + expert_trained)
     tokens = t.micro_batch_size * t.seq_length / lay.cp  # tokens of one micro-batch on this rank
     per_tok = activation_bytes_per_token(m, lay)
     act = tokens * (sp_.num_gdn * per_tok["gdn"] + sp_.num_attention * per_tok["attention"])
@@ -380,7 +400,9 @@ def stage_memory(cfg: Config, lay: Layout, sp_: StageParams, overhead_gib: float
         frac = image_fraction(cfg) if img_fraction is None else img_fraction
         # every TP and CP rank of the first stage encodes all images of the micro-batch
         patches = frac * t.micro_batch_size * t.seq_length * m.vision.spatial_merge_size**2
-        act += patches * vision_bytes_per_patch(m) + tokens * 2 * m.hidden_size  # + embeddings
+        if "vision" not in getattr(m, "freeze", ()):  # a frozen ViT keeps nothing for backward
+            act += patches * vision_bytes_per_patch(m)
+        act += tokens * 2 * m.hidden_size  # embeddings
     in_flight = lay.in_flight(sp_.stage)
     act *= in_flight
     if sp_.stage == lay.pp - 1:
@@ -419,6 +441,9 @@ def dry_run(cfg: Config, world_size: int | None = None, gpu_mem_gib: float = 80.
     out(f"  layout: tp={lay.tp} pp={lay.pp} cp={lay.cp} dp={lay.dp} | experts: ep={lay.ep} etp={lay.etp} "
         f"edp={lay.edp} | sequence_parallel={lay.sequence_parallel} "
         f"distributed_optimizer={lay.distributed_optimizer}")
+    if m.freeze:
+        out(f"  frozen (model.freeze={list(m.freeze)}): {_fmt_params(sum(s.frozen for s in stages))} parameters "
+            f"on the first rank of each stage keep no gradient and no optimizer state")
     out(f"  batch: {cfg.train.global_batch_size} x {cfg.train.seq_length} tokens per step, micro-batch "
         f"{cfg.train.micro_batch_size}, {lay.num_microbatches} micro-batches per DP rank per step")
     active_s = f", active per token {_fmt_params(active)}" if m.num_experts else ""

@@ -38,6 +38,8 @@ from multimodal.memory import MemoryTools
 from multimodal.metrics import MetricsSink
 from models.common import layer_graphs, wgrad_fusion
 from multimodal.platform import Runtime, init_distributed, seed_everything, use_deterministic_algorithms
+from multimodal.freeze import describe as describe_freeze
+from multimodal.freeze import freeze
 from multimodal.profiling import StepProfiler
 
 log = logging.getLogger(__name__)
@@ -70,6 +72,7 @@ def build_model_and_optimizer(cfg: Config, rt: Runtime, dtype: torch.dtype):
     model = builder(cfg.model, cfg.parallel, dtype, pre_process=ps.is_pipeline_first_stage(),
                     post_process=ps.is_pipeline_last_stage(), deterministic=cfg.train.deterministic)
     model.to(rt.device)
+    log.info(describe_freeze(freeze(model, cfg.model.freeze)))  # before DDP: no buffers for frozen weights
     if cfg.train.recompute_modules:
         from multimodal.recompute import apply_recompute
 

@@ -143,6 +143,12 @@ class VisionEncoder(nn.Module):
         self.merger_fc1 = nn.Linear(merged, merged)
         self.merger_fc2 = nn.Linear(merged, out_hidden)
 
+    @staticmethod
+    def parameter_group(name: str) -> str:
+        """``merger`` for the patch merger's weights, ``vision`` for the rest (patch and position
+        embeddings, blocks): the two model.freeze groups of the encoder."""
+        return "merger" if name.startswith("merger") else "vision"
+
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
         geo = vision_geometry(image_grid_thw, self.merge, self.grid_side, pixel_values.device)
         x = self.embed_patches(pixel_values)

@@ -1,0 +1,105 @@
+"""model.freeze: frozen parts keep no gradient buffer and no optimizer state and stay bit-identical
+through training; the rest trains; bad requests are refused naming the fix; the dry run counts it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from proxy_fixtures import packed_rows
+
+from models.base import PARAMETER_GROUPS
+from multimodal.config import ConfigError, load_config, validate
+
+PROXY = "configs/qwen35_vl_proxy.yaml"
+MOE = "configs/qwen35_vl_proxy_moe.yaml"
+
+
+def _train_steps(mcore, config: str, freeze: list[str], steps: int = 3):
+    """(model, ddp, optimizer, weights before, weights after) of a few optimizer steps."""
+    from multimodal.forward_step import packed_seq_params
+    from multimodal.platform import seed_everything
+    from multimodal.training import build_model_and_optimizer
+
+    cfg = load_config(config, [f"model.freeze=[{','.join(freeze)}]", "optimizer.lr=1e-2",
+                               "optimizer.warmup_iters=0"])
+    validate(cfg)
+    seed_everything(0)
+    model, ddp, optimizer, scheduler = build_model_and_optimizer(cfg, mcore, torch.float32)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    batch = packed_rows(cfg)[0]
+    for _ in range(steps):
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses = model(batch["tokens"], batch["position_ids"], labels=batch["labels"],
+                       pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
+                       packed_seq_params=packed_seq_params(batch))
+        (losses * batch["loss_mask"]).sum().backward()
+        ddp.finish_grad_sync()
+        optimizer.step()
+        scheduler.step(1)
+    after = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return model, ddp, optimizer, before, after
+
+
+@pytest.mark.parametrize("config,freeze", [
+    (PROXY, ["vision", "merger"]),
+    (PROXY, ["language", "embedding", "lm_head"]),
+    (MOE, ["vision", "language"]),  # routed experts, router and shared expert frozen with the decoder
+])
+def test_frozen_parts_stay_bit_identical_and_hold_no_state(mcore, config, freeze):
+    model, ddp, optimizer, before, after = _train_steps(mcore, config, freeze)
+    groups = {n: model.parameter_group(n) for n, _ in model.named_parameters()}
+    # every group exists (the dense proxy ties the LM head to the embedding: no lm_head weight)
+    assert set(groups.values()) == set(PARAMETER_GROUPS) - ({"lm_head"} if model.share_embeddings_and_output_weights
+                                                            else set())
+    frozen = [n for n, g in groups.items() if g in freeze]
+    trained = [n for n, g in groups.items() if g not in freeze]
+    assert frozen and trained
+    for n in frozen:  # every one of them, position and patch embeddings included
+        assert torch.equal(before[n], after[n]), n
+    assert sum(not torch.equal(before[n], after[n]) for n in trained) > 0.9 * len(trained)
+    params = dict(model.named_parameters())
+    # no gradient buffer: DDP gives frozen weights no main_grad, the optimizer never sees them
+    assert all(getattr(params[n], "main_grad", None) is None for n in frozen)
+    assert all(params[n].main_grad is not None for n in trained)
+    inner = optimizer.optimizer  # the torch optimizer megatron wraps (fp32 on the CPU: the model's own params)
+    optimized = [p for group in inner.param_groups for p in group["params"]]
+    trained_numel = sum(params[n].numel() for n in trained)
+    assert sum(p.numel() for p in optimized) == trained_numel
+    assert not {id(params[n]) for n in frozen} & {id(p) for p in optimized}
+    state_numel = sum(t.numel() for st in inner.state.values() for t in st.values() if torch.is_tensor(t) and t.dim())
+    assert state_numel == 2 * trained_numel  # Adam's m and v, for the trained weights only
+
+
+def test_freeze_requests_are_checked():
+    def refused(overrides, needle):
+        with pytest.raises(ConfigError, match=needle):
+            validate(load_config(PROXY, overrides))
+
+    refused(["model.freeze=[vision_tower]"], r"model.freeze: unknown group\(s\) \['vision_tower'\]")
+    refused([f"model.freeze=[{','.join(PARAMETER_GROUPS)}]"], "nothing would train")
+    refused(["model.freeze=[embedding]", "model.tie_word_embeddings=true"], "freeze both or neither")
+    refused(["model.freeze=[vision]", "train.cuda_graphs=true"], "train.cuda_graphs=false")
+    validate(load_config(PROXY, ["model.freeze=[embedding,lm_head]", "model.tie_word_embeddings=true"]))
+
+
+def test_dry_run_counts_frozen_weights_out_of_grads_and_optimizer():
+    from multimodal.dry_run import check_layout, stage_memory, stage_params
+
+    def memory(freeze):
+        cfg = load_config("configs/qwen35_vl_2b.yaml", [f"model.freeze=[{','.join(freeze)}]",
+                                                        "train.cuda_graphs=false"])
+        lay, _ = check_layout(cfg, 1)
+        sp = stage_params(cfg.model, lay.tp, lay.pp, lay.ep, 0)
+        return sp, stage_memory(cfg, lay, sp)
+
+    full_sp, full = memory([])
+    sp, frozen = memory(["vision", "merger"])
+    from multimodal.dry_run import vision_params
+
+    assert sp.frozen == vision_params(load_config("configs/qwen35_vl_2b.yaml").model) and full_sp.frozen == 0
+    gib = 2**30
+    assert full.grads - frozen.grads == pytest.approx(4 * sp.frozen / gib)  # fp32 gradient
+    assert full.optimizer - frozen.optimizer == pytest.approx(12 * sp.frozen / gib)  # main params + m + v
+    assert frozen.weights == full.weights and frozen.activations < full.activations
