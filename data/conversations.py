@@ -162,7 +162,8 @@ class ConversationsDataset(torch.utils.data.Dataset):
                 raise SkipSample("bad_record", "messages is not a list")
             for i, msg in enumerate(record["messages"]):
                 if not isinstance(msg, dict) or msg.get("role") not in ("system", "user", "assistant"):
-                    raise SkipSample("unknown_role", f"message {i} has role {msg.get('role') if isinstance(msg, dict) else msg!r}")
+                    role = msg.get("role") if isinstance(msg, dict) else msg
+                    raise SkipSample("unknown_role", f"message {i} has role {role!r}")
                 messages.append(msg)
         elif "conversations" in record:
             messages, _ = sharegpt_to_messages(record)

@@ -10,7 +10,8 @@ every id stays below ~450 and a proxy model with ``model.vocab_size=512`` can re
 The special tokens are Qwen's names, the pre-tokenizer is Qwen's split, and the chat template
 renders Qwen3.5's layout (``<|im_start|>{role}\\n{content}<|im_end|>\\n``, with an empty think
 block in the final assistant turn; see ``CHAT_TEMPLATE``), with an image part of user content
-rendered as ``<|vision_start|><|image_pad|><|vision_end|>`` (one pad token; ``data.chat.encode_conversation`` expands it to the image's token count).
+rendered as ``<|vision_start|><|image_pad|><|vision_end|>`` (one pad token;
+``data.chat.encode_conversation`` expands it to the image's token count).
 eos is ``<|im_end|>``; no pad token is set, so callers exercise the pad -> eos fallback.
 """
 
