@@ -1,20 +1,33 @@
 """Tokenise a Qwen chat conversation with an exact, shifted loss mask.
 
-The conversation is rendered turn by turn and piece by piece, in the layout of Qwen's chat
-template (``<|im_start|>{role}\\n{content}<|im_end|>\\n``), instead of rendering the whole
-string and searching it for the assistant spans afterwards: every token is produced by a
-known piece, so the supervised span is exact by construction and cannot be fooled by an
-answer that happens to contain ``assistant`` or ``<|im_end|>``-like text.
+The ids are those of Qwen3.5's published chat template (``apply_chat_template``; the template
+is kept in ``tests/fixtures/qwen35_chat_template.jinja`` and the tests compare token for token):
 
-Pieces are separated by special tokens (which the tokenizer splits out before BPE) or by the
-role header's newline, so the ids equal those of tokenising the template's rendered string
-(``tests/test_cord.py`` checks this against the tokenizer's own chat template).
+- every message's content is rendered (text parts joined, an image part as
+  ``<|vision_start|><|image_pad|><|vision_end|>``) and then trimmed of surrounding whitespace;
+- an optional system message comes first: ``<|im_start|>system\\n{content}<|im_end|>\\n``;
+- user turns: ``<|im_start|>user\\n{content}<|im_end|>\\n``;
+- assistant turns *after the last user message* carry a think block,
+  ``<|im_start|>assistant\\n<think>\\n{reasoning}\\n</think>\\n\\n{answer}<|im_end|>\\n``, empty
+  (``<think>\\n\\n</think>\\n\\n``) when the sample has no reasoning; earlier assistant turns render
+  as ``<|im_start|>assistant\\n{answer}<|im_end|>\\n``. Reasoning comes from a message's
+  ``reasoning_content`` or from ``<think>...</think>`` at the start of its content, as in the
+  template.
+
+The conversation is built piece by piece instead of rendering the whole string and searching
+it for the answers afterwards, so the supervised span is exact by construction and cannot be
+fooled by an answer that contains ``assistant`` or ``<|im_end|>``-like text. Prompt pieces are
+rendered as text and tokenised whole (the tokenizer splits special tokens out first); each
+supervised piece starts right after a newline with non-space text (content is trimmed) and ends
+at ``<|im_end|>``, both boundaries that Qwen's pre-tokenizer never merges across.
 
 Loss mask convention (as in ``data.mock``): ``loss_mask[t]`` weights the prediction of
-``input_ids[t + 1]`` (the labels are the inputs shifted left by one). It is 1 exactly where
-that next token is an assistant answer token or the ``<|im_end|>`` closing an assistant turn,
-so the model learns the answer and when to stop, but never the system/user turns, the
-``<|im_start|>assistant\\n`` header, image/vision tokens, or the newline after ``<|im_end|>``.
+``input_ids[t + 1]`` (the labels are the inputs shifted left by one). It is 1 exactly where that
+next token is an assistant answer token or the ``<|im_end|>`` closing an assistant turn, so the
+model learns the answer and when to stop. Real reasoning text, with its ``\\n</think>\\n\\n``, is
+supervised too (the model writes it after the ``<think>\\n`` of the generation prompt); the empty
+think block is prompt: it is what the stock template feeds with thinking off. Never trained:
+system/user turns, role headers, image tokens, the newline after ``<|im_end|>``.
 """
 
 from __future__ import annotations
@@ -26,6 +39,8 @@ _SPECIAL_NAMES = {
     "im_start_token_id": "<|im_start|>",
     "im_end_token_id": "<|im_end|>",
 }
+IMAGE_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
+ROLES = ("system", "user", "assistant")
 
 
 def special_token_ids(tokenizer) -> dict[str, int]:
@@ -56,54 +71,109 @@ def special_token_ids(tokenizer) -> dict[str, int]:
     return ids
 
 
-def _text(tokenizer, text: str) -> list[int]:
-    return tokenizer.encode(text, add_special_tokens=False) if text else []
+def _is_image(part: dict) -> bool:
+    return part.get("type") == "image" or "image" in part or "image_url" in part  # the template's test
+
+
+def render_content(content, turn: int, allow_images: bool = True) -> tuple[str, int]:
+    """The template's ``render_content(...)|trim``: the message text with one image block per
+    image part, stripped of surrounding whitespace; and the number of images."""
+    if content is None:
+        return "", 0
+    if isinstance(content, str):
+        return content.strip(), 0
+    if not isinstance(content, list):
+        raise ValueError(f"message {turn} content must be a string or a list of parts, got {type(content).__name__}")
+    out, n_images = [], 0
+    for part in content:
+        if not isinstance(part, dict):
+            raise ValueError(f"message {turn}: content part {part!r} is not an object")
+        if _is_image(part):
+            if not allow_images:
+                raise ValueError(f"message {turn}: images are only supported in user turns")
+            out.append(IMAGE_BLOCK)
+            n_images += 1
+        elif part.get("type") == "video" or "video" in part:
+            raise ValueError(f"message {turn}: video parts are not supported yet")
+        elif "text" in part:
+            out.append(str(part["text"]))
+        else:
+            raise ValueError(f"message {turn}: unknown content part {part!r} (expected text or image)")
+    return "".join(out).strip(), n_images
+
+
+def split_reasoning(msg: dict, content: str) -> tuple[str, str]:
+    """(reasoning, answer) of an assistant message, the way the template separates them."""
+    reasoning = msg.get("reasoning_content")
+    if not isinstance(reasoning, str):
+        reasoning = ""
+        if "</think>" in content:
+            reasoning = content.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+            content = content.split("</think>")[-1].lstrip("\n")
+    return reasoning.strip(), content
+
+
+def last_user_index(messages: list[dict]) -> int:
+    for i in range(len(messages) - 1, -1, -1):
+        if messages[i].get("role") == "user":
+            return i
+    raise ValueError("the conversation has no user message (Qwen's chat template refuses it)")
 
 
 def encode_conversation(tokenizer, messages: list[dict], image_token_counts: list[int],
                         special_ids: dict[str, int]) -> tuple[list[int], list[float]]:
     """Token ids and shifted loss mask of a conversation (see the module docstring).
 
-    ``messages``: ``[{"role": ..., "content": str | [{"type": "image"} | {"type": "text", "text": ...}]}]``.
-    Image parts are consumed in order; image i becomes ``<|vision_start|>`` + ``image_token_counts[i]``
-    x ``<|image_pad|>`` + ``<|vision_end|>``. Every assistant turn is supervised.
+    ``messages``: ``[{"role": ..., "content": str | [{"type": "image"} | {"type": "text", "text": ...}],
+    "reasoning_content": str (optional)}]``. Image i becomes ``<|vision_start|>`` +
+    ``image_token_counts[i]`` x ``<|image_pad|>`` + ``<|vision_end|>``. Every assistant turn is supervised.
     """
-    im_start, im_end = special_ids["im_start_token_id"], special_ids["im_end_token_id"]
-    vs, ve, pad = special_ids["vision_start_token_id"], special_ids["vision_end_token_id"], special_ids["image_token_id"]
-    newline = _text(tokenizer, "\n")
-    ids: list[int] = []
-    target: list[bool] = []  # target[i]: token i is supervised (as a label)
-    n_img = 0
-
-    def add(tokens: list[int], supervised: bool) -> None:
-        ids.extend(tokens)
-        target.extend([supervised] * len(tokens))
-
+    pad = special_ids["image_token_id"]
     for turn, msg in enumerate(messages):
-        role, content = msg.get("role"), msg.get("content")
-        if not isinstance(role, str) or not role:
-            raise ValueError(f"message {turn} has no role: {msg!r}")
-        answer = role == "assistant"
-        add([im_start] + _text(tokenizer, role + "\n"), False)
-        parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
-        if not isinstance(parts, list):
-            raise ValueError(f"message {turn} content must be a string or a list of parts, got {type(content).__name__}")
-        for part in parts:
-            kind = part.get("type")
-            if kind == "text":
-                add(_text(tokenizer, part.get("text", "")), answer)
-            elif kind == "image":
-                if answer:
-                    raise ValueError(f"message {turn}: images in assistant turns are not supported")
-                if n_img >= len(image_token_counts):
-                    raise ValueError(f"conversation has more images than image_token_counts ({len(image_token_counts)})")
-                add([vs] + [pad] * int(image_token_counts[n_img]) + [ve], False)
-                n_img += 1
-            else:
-                raise ValueError(f"message {turn}: unknown content part type {kind!r}")
-        add([im_end], answer)  # the model must learn to stop
-        add(newline, False)
+        if msg.get("role") not in ROLES:
+            raise ValueError(f"message {turn} has role {msg.get('role')!r}; expected one of {', '.join(ROLES)}")
+    last_query = last_user_index(messages)
+    pieces: list[tuple[str, bool]] = []  # (text, supervised); prompt text is merged until an answer
+    n_img = 0
+    for turn, msg in enumerate(messages):
+        role = msg["role"]
+        if role == "system" and turn:
+            raise ValueError(f"message {turn}: a system message must come first")
+        content, k = render_content(msg.get("content"), turn, allow_images=role == "user")
+        n_img += k
+        if role != "assistant":
+            pieces.append((f"<|im_start|>{role}\n{content}<|im_end|>\n", False))
+            continue
+        reasoning, answer = split_reasoning(msg, content)
+        if turn > last_query and reasoning:
+            pieces += [("<|im_start|>assistant\n<think>\n", False), (f"{reasoning}\n</think>\n\n{answer}", True)]
+        elif turn > last_query:
+            pieces += [("<|im_start|>assistant\n<think>\n\n</think>\n\n", False), (answer, True)]
+        else:
+            pieces += [("<|im_start|>assistant\n", False), (answer, True)]
+        pieces += [("<|im_end|>", True), ("\n", False)]
     if n_img != len(image_token_counts):
         raise ValueError(f"{len(image_token_counts)} image token counts given but the conversation has {n_img} image(s)")
+
+    ids: list[int] = []
+    target: list[bool] = []  # target[i]: token i is supervised (as a label)
+    counts = iter(image_token_counts)
+    text, supervised = "", False
+    for piece, sup in pieces + [("", not pieces[-1][1])]:  # a sentinel flushes the last run
+        if sup == supervised:
+            text += piece
+            continue
+        for tok in tokenizer.encode(text, add_special_tokens=False) if text else []:
+            if tok == pad:  # the template's one pad per image -> the image's token count
+                n = next(counts, None)
+                if n is None:
+                    raise ValueError("the conversation's text holds more <|image_pad|> tokens than it has images")
+                n = int(n)
+                ids.extend([pad] * n)
+                target.extend([supervised] * n)
+            else:
+                ids.append(tok)
+                target.append(supervised)
+        text, supervised = piece, sup
     loss_mask = [1.0 if t else 0.0 for t in target[1:]] + [0.0]
     return ids, loss_mask

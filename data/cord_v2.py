@@ -22,17 +22,14 @@ table is read once and kept in (Arrow) memory: CORD is ~1k receipts.
 from __future__ import annotations
 
 import collections
-import io
 import json
 import logging
-import math
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from data.chat import encode_conversation, special_token_ids
-from data.image import patchify
+from data.image import CHECKPOINT_MAX_PIXELS, CHECKPOINT_MIN_PIXELS, image_patches, open_image, smart_resize  # noqa: F401 (re-exported)
 from models.qwen35_vl.mrope import mrope_position_ids
 
 log = logging.getLogger(__name__)
@@ -47,23 +44,6 @@ class SkipSample(Exception):
     def __init__(self, reason: str, detail: str):
         super().__init__(detail)
         self.reason = reason
-
-
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """Qwen's ``smart_resize``: sides multiples of ``factor``, area in [min, max], aspect kept."""
-    if max(height, width) / max(1, min(height, width)) > 200:
-        raise ValueError(f"aspect ratio of {height}x{width} is over 200")
-    h = max(factor, round(height / factor) * factor)
-    w = max(factor, round(width / factor) * factor)
-    if h * w > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
-        h = max(factor, math.floor(height / beta / factor) * factor)
-        w = max(factor, math.floor(width / beta / factor) * factor)
-    elif h * w < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h = math.ceil(height * beta / factor) * factor
-        w = math.ceil(width * beta / factor) * factor
-    return h, w
 
 
 def donut_tokens(obj) -> str:
@@ -99,7 +79,7 @@ class CordV2Dataset(torch.utils.data.Dataset):
 
     def __init__(self, model_cfg, data_cfg, seq_length: int, tokenizer, split: str = "train",
                  prompt: str | None = None, target_format: str = "json",
-                 min_pixels: int = 4 * 32 * 32, max_pixels: int = 256 * 32 * 32):
+                 min_pixels: int = CHECKPOINT_MIN_PIXELS, max_pixels: int = CHECKPOINT_MAX_PIXELS):
         if target_format not in ("json", "donut"):
             raise ValueError(f"target_format must be 'json' or 'donut', got {target_format!r}")
         if not getattr(data_cfg, "path", None):
@@ -154,21 +134,16 @@ class CordV2Dataset(torch.utils.data.Dataset):
         return text
 
     def _image(self, cell) -> tuple[torch.Tensor, torch.Tensor]:
-        from PIL import Image
-
         data = cell.get("bytes") if isinstance(cell, dict) else None
         if not data:
             raise SkipSample("missing_field", "image bytes are missing")
         try:
-            with Image.open(io.BytesIO(data)) as im:
-                im.load()
-                img = im.convert("RGB")
-            h, w = smart_resize(img.height, img.width, self.factor, self.min_pixels, self.max_pixels)
+            img = open_image(data)
+            smart_resize(img.height, img.width, self.factor, self.min_pixels, self.max_pixels)  # aspect check
         except Exception as e:  # PIL raises many kinds (UnidentifiedImageError, OSError, ...)
             raise SkipSample("bad_image", f"image does not decode ({type(e).__name__}: {e})") from None
-        img = img.resize((w, h), Image.Resampling.BICUBIC)
-        x = torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0).permute(2, 0, 1)
-        return patchify(x, self.patch, self.tp, self.merge, self.image_mean, self.image_std)
+        return image_patches(img, self.patch, self.tp, self.merge, self.min_pixels, self.max_pixels,
+                             self.image_mean, self.image_std)
 
     # ------------------------------------------------------------------ sample
 

@@ -6,7 +6,7 @@ Prints the first N usable samples of ``data.split`` in dataset order (``--start`
 elsewhere): the conversation with the supervised tokens in [[double brackets]] (or colour on a
 terminal), runs of image tokens collapsed, token counts and image grids. ``--json`` prints one
 object per sample with ``index, num_tokens, num_supervised, supervised_text, num_image_tokens,
-image_grid_thw``. Supervised tokens are the *labels* whose loss mask is 1 (labels are the inputs
+image_grid_thw, input_ids``. Supervised tokens are the *labels* whose loss mask is 1 (labels are the inputs
 shifted left by one), so this shows exactly what the loss sees.
 """
 
@@ -60,6 +60,7 @@ def describe(sample, decode, image_token_id: int) -> dict:
         "supervised_text": decode(labels_sup),
         "num_image_tokens": int((sample["input_ids"] == image_token_id).sum()),
         "image_grid_thw": sample["image_grid_thw"].tolist(),
+        "input_ids": sample["input_ids"].tolist(),  # to diff against your own processor's ids
     }
 
 

@@ -20,8 +20,12 @@ from data.collate import pack_thd, pad_bshd, padded_length
 MIN_SAMPLES_FOR_BAD_CHECK = 20  # judge the bad-row fraction only once it means something
 
 
+DATASETS = ("mock", "cord_v2", "conversations")
+
+
 def build_dataset(model_cfg, data_cfg, seq_length: int):
-    """Dataset for ``data.name``: "mock" (synthetic) or "cord_v2" (receipts from data.path)."""
+    """Dataset for ``data.name``: "mock" (synthetic), "cord_v2" (receipts from data.path) or
+    "conversations" (your JSON/JSONL chat records, data/conversations.py)."""
     if data_cfg.name == "mock":
         from data.mock import MockDataset
 
@@ -34,7 +38,11 @@ def build_dataset(model_cfg, data_cfg, seq_length: int):
             prompt=data_cfg.prompt, target_format=data_cfg.target_format,
             min_pixels=data_cfg.min_pixels, max_pixels=data_cfg.max_pixels,
         )
-    raise ValueError(f"data.name {data_cfg.name!r} is not available; choose: mock, cord_v2")
+    if data_cfg.name == "conversations":
+        from data.conversations import ConversationsDataset
+
+        return ConversationsDataset(model_cfg, data_cfg, seq_length, load_tokenizer(data_cfg))
+    raise ValueError(f"data.name {data_cfg.name!r} is not available; choose: {', '.join(DATASETS)}")
 
 
 def load_tokenizer(data_cfg):

@@ -149,12 +149,19 @@ class DataConfig:
     split: str = "train"
     prompt: str | None = None  # user prompt beside the image; None: the data set's default
     target_format: str = "json"  # json (gt_parse as JSON, key order kept) | donut (tags)
-    min_pixels: int = 4 * 32 * 32  # dynamic resolution: each image is resized into this area range
-    max_pixels: int = 256 * 32 * 32
+    # dynamic resolution: each image is resized into this pixel-area range. Defaults: the released
+    # checkpoints' (Qwen3.5 preprocessor_config.json); a preprocessor_config.json beside
+    # data.tokenizer replaces a range left at these defaults, a value set in the recipe wins
+    min_pixels: int = 65_536
+    max_pixels: int = 16_777_216
     # per-channel normalisation; read from preprocessor_config.json beside data.tokenizer when present
     image_mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
     image_std: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
     max_bad_fraction: float = 0.1  # stop when more of the rows read than this are unusable
+    # conversations: image paths are relative to this folder (None: the data file's folder);
+    # system_prompt is put first in records without a system message
+    image_root: str | None = None
+    system_prompt: str | None = None
     # micro-batches built ahead in a background thread; None: 2 on GPU, 0 on CPU (where the thread
     # competes with the model for the cores: 30 proxy steps took 78 s with it, 62 s without)
     prefetch: int | None = None
@@ -442,12 +449,23 @@ def validate(cfg: Config, world_size: int = 1) -> None:
              f"logging.profile_step must be >= 0 (0 = off) and logging.profile_num_steps >= 1, got "
              f"{cfg.logging.profile_step} and {cfg.logging.profile_num_steps}")
     _require(t.precision in ("auto", "bf16", "fp32"), f"train.precision must be auto|bf16|fp32, got {t.precision!r}")
-    _require(d.name in ("mock", "cord_v2"), f"data.name {d.name!r} is not available; choose: mock, cord_v2")
+    _require(d.name in ("mock", "cord_v2", "conversations"),
+             f"data.name {d.name!r} is not available; choose: mock, cord_v2, conversations")
+    if d.name == "conversations":
+        _require(bool(d.path) and Path(d.path).suffix in (".json", ".jsonl") and Path(d.path).is_file(),
+                 f"data.name=conversations needs data.path: an existing .json or .jsonl file, got {d.path!r}")
+        _require(bool(d.tokenizer), "data.name=conversations needs data.tokenizer (a tokenizer directory)")
+        _require(d.image_root is None or Path(d.image_root).is_dir(),
+                 f"data.image_root={d.image_root!r} is not a folder (null: the data file's folder)")
     if d.name == "cord_v2":
         _require(bool(d.path), "data.name=cord_v2 needs data.path (the CORD-v2 folder of parquet files)")
         _require(bool(d.tokenizer), "data.name=cord_v2 needs data.tokenizer (a tokenizer directory)")
     _require(d.target_format in ("json", "donut"), f"data.target_format must be json|donut, got {d.target_format!r}")
     _require(0.0 <= d.max_bad_fraction <= 1.0, "data.max_bad_fraction must be in [0, 1]")
+    unit = m.vision.patch_size * m.vision.spatial_merge_size
+    _require(unit**2 <= d.max_pixels and 1 <= d.min_pixels <= d.max_pixels,
+             f"data.min_pixels ({d.min_pixels}) and data.max_pixels ({d.max_pixels}) need "
+             f"1 <= min_pixels <= max_pixels and max_pixels >= (patch_size*merge)^2 = {unit**2}")
     _require(d.prefetch is None or d.prefetch >= 0,
              "data.prefetch must be >= 0 (0 disables the background loader thread) or null (auto)")
     _require(len(d.image_mean) == 3 and len(d.image_std) == 3 and all(x > 0 for x in d.image_std),
@@ -599,6 +617,14 @@ def _read_image_processor(cfg: Config) -> None:
     for key in ("image_mean", "image_std"):
         if key in pre:
             setattr(cfg.data, key, [float(x) for x in pre[key]])
+    # the pixel range: Qwen3-VL/3.5 files name it size.shortest_edge/longest_edge (areas, not
+    # sides), Qwen2-VL files min_pixels/max_pixels
+    size = pre.get("size") if isinstance(pre.get("size"), dict) else {}
+    defaults = DataConfig()
+    for key, names in (("min_pixels", ("shortest_edge", "min_pixels")), ("max_pixels", ("longest_edge", "max_pixels"))):
+        found = [size[n] for n in names if n in size] + ([pre[key]] if key in pre else [])
+        if found and getattr(cfg.data, key) == getattr(defaults, key):
+            setattr(cfg.data, key, int(found[0]))
 
 
 def config_to_yaml(cfg: Config) -> str:

@@ -126,7 +126,7 @@ def test_multi_turn_every_assistant_turn_supervised(tok, ids):
 
 def test_image_count_mismatch_raises(tok, ids):
     msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "image"}]}]
-    with pytest.raises(ValueError, match="more images"):
+    with pytest.raises(ValueError, match="1 image token counts given but the conversation has 2"):
         encode_conversation(tok, msgs, [1], ids)
     with pytest.raises(ValueError, match="2 image token counts"):
         encode_conversation(tok, [{"role": "user", "content": "hi"}], [1, 1], ids)
