@@ -1,7 +1,7 @@
 """Convert between Hugging Face Qwen3.5(-MoE) checkpoints and ours.
 
     python scripts/convert_hf.py import --hf-dir DIR --out CKPT [--tp N --pp N --ep N]
-    python scripts/convert_hf.py export --ckpt CKPT --out DIR [--config RECIPE.yaml]
+    python scripts/convert_hf.py export --ckpt CKPT --out DIR [--config RECIPE.yaml] [--merge-lora]
 
 import writes a weights-only megatron dist-checkpoint (iter_0000000 + latest) that training
 loads with ``checkpoint.load=CKPT`` and ``model.hf_config=DIR`` (the shapes come from DIR's
@@ -12,6 +12,11 @@ export loads any of our checkpoints (weights-only or a training checkpoint, save
 TP/EP layout) into one process and writes model.safetensors + config.json that
 ``from_pretrained`` loads. The model shapes come from the checkpoint (written at import or by
 training), or from --config.
+
+A checkpoint of a LoRA run (``model.lora``) exports with --merge-lora: each adapter is folded
+into its base weight (W + alpha/rank * B @ A, in fp32) and the result is a plain HF checkpoint
+whose logits equal the LoRA model's. The LoRA settings come from --config, else from the
+checkpoint's model_config.json. Exporting such a checkpoint without --merge-lora is refused.
 """
 
 from __future__ import annotations
@@ -86,17 +91,47 @@ def model_config_of_checkpoint(ckpt: Path, recipe: str | None) -> ModelConfig:
     raise FileNotFoundError(f"{ckpt} records no model config; pass --config RECIPE.yaml")
 
 
-def do_export(ckpt: str, out: str, recipe: str | None, dtype: str) -> Path:
+def lora_config_of_checkpoint(ckpt: Path, recipe: str | None):
+    """The ``model.lora`` a checkpoint was trained with: --config, else its model_config.json."""
+    from multimodal.config import LoRAConfig
+    from multimodal.config import _build as build_dataclass
+
+    if recipe:
+        lora = load_config(recipe).model.lora
+    elif (ckpt / MODEL_CONFIG_FILE).is_file():
+        raw = json.loads((ckpt / MODEL_CONFIG_FILE).read_text()).get("lora") or {}
+        lora = build_dataclass(LoRAConfig, raw, "model.lora.")
+    else:
+        raise FileNotFoundError(f"{ckpt} records no model config; pass --config RECIPE.yaml (its model.lora)")
+    if not lora.rank:
+        raise ValueError(f"--merge-lora: model.lora.rank is 0 for {ckpt}; pass --config with the run's model.lora")
+    return lora
+
+
+def do_export(ckpt: str, out: str, recipe: str | None, dtype: str, merge_lora: bool = False) -> Path:
+    from megatron.core import dist_checkpointing
     from safetensors.torch import save_file
 
+    from models.common.lora import is_adapter_param, merged_state_dict
     from multimodal import checkpointing
+    from multimodal.lora import apply_lora
 
     _init()
     path = checkpointing.resolve(ckpt, None)
     m = model_config_of_checkpoint(path, recipe)
     model = _build(m)
+    has_adapters = any(is_adapter_param(k) for k in dist_checkpointing.load_tensors_metadata(str(path)))
+    if has_adapters and not merge_lora:
+        raise ValueError(f"{path} holds LoRA adapters: pass --merge-lora to fold them into the exported weights")
+    if merge_lora:
+        if not has_adapters:
+            raise ValueError(f"--merge-lora: {path} holds no LoRA adapters")
+        lora = lora_config_of_checkpoint(path, recipe)
+        apply_lora(model, lora)
     checkpointing.load_weights(path, model)
     state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    if merge_lora:
+        state = merged_state_dict(state, lora.alpha / lora.rank)
     hf = ours_to_hf(state, m)
     trainer = json.loads((path / "trainer_state.json").read_text())
     target = {"fp32": torch.float32, "bf16": torch.bfloat16, "auto": getattr(torch, trainer.get("hf_dtype", "float32"))}[dtype]
@@ -130,11 +165,13 @@ def main(argv=None) -> int:
     exp.add_argument("--config", help="recipe whose model section describes the checkpoint")
     exp.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
                      help="auto: the dtype of the imported HF checkpoint, else fp32")
+    exp.add_argument("--merge-lora", action="store_true",
+                     help="fold the LoRA adapters of a model.lora run into the base weights")
     args = ap.parse_args(argv)
     if args.cmd == "import":
         print(do_import(args.hf_dir, args.out, args.tp, args.pp, args.ep))
     else:
-        print(do_export(args.ckpt, args.out, args.config, args.dtype))
+        print(do_export(args.ckpt, args.out, args.config, args.dtype, args.merge_lora))
     return 0
 
 
