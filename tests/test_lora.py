@@ -22,17 +22,20 @@ MOE = "configs/qwen35_vl_proxy_moe.yaml"
 LORA = ["model.lora.rank=4", "model.lora.alpha=8"]
 
 
-def _train(mcore, config: str, overrides: list[str], steps: int):
-    """(model, optimizer, weights before, weights after, per-step losses) on one repeated batch."""
-    from multimodal.forward_step import packed_seq_params
+def _build(mcore, config: str, overrides: list[str], seed: int = 0):
     from multimodal.platform import seed_everything
     from multimodal.training import build_model_and_optimizer
 
     cfg = load_config(config, [*overrides, "optimizer.lr=1e-2", "optimizer.warmup_iters=0"])
     validate(cfg)
-    seed_everything(0)
-    model, ddp, optimizer, scheduler = build_model_and_optimizer(cfg, mcore, torch.float32)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    seed_everything(seed)
+    return cfg, *build_model_and_optimizer(cfg, mcore, torch.float32)
+
+
+def _steps(cfg, model, ddp, optimizer, scheduler, steps: int) -> list[torch.Tensor]:
+    """Per-step losses of ``steps`` optimizer steps on one repeated batch."""
+    from multimodal.forward_step import packed_seq_params
+
     batch = packed_rows(cfg)[0]
     losses = []
     for _ in range(steps):
@@ -47,6 +50,14 @@ def _train(mcore, config: str, overrides: list[str], steps: int):
         ddp.finish_grad_sync()
         optimizer.step()
         scheduler.step(1)
+    return losses
+
+
+def _train(mcore, config: str, overrides: list[str], steps: int):
+    """(model, optimizer, weights before, weights after, per-step losses)."""
+    cfg, model, ddp, optimizer, scheduler = _build(mcore, config, overrides)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    losses = _steps(cfg, model, ddp, optimizer, scheduler, steps)
     after = {n: p.detach().clone() for n, p in model.named_parameters()}
     return model, optimizer, before, after, losses
 
@@ -80,6 +91,25 @@ def test_step0_is_the_base_model_and_only_adapters_train(mcore, config):
 def test_lora_lowers_the_loss(mcore):
     *_, losses = _train(mcore, PROXY, LORA, steps=8)
     assert losses[-1] < 0.9 * losses[0], [x.item() for x in losses]
+
+
+def test_lora_checkpoint_resumes(mcore, tmp_path):
+    """Adapters and their optimizer state are in the sharded checkpoint: a resumed run (built
+    with another seed, so other initial A) repeats the uninterrupted losses."""
+    from multimodal import checkpointing
+
+    cfg, *run = _build(mcore, PROXY, LORA)
+    whole = _steps(cfg, *run, steps=4)
+    cfg, *run = _build(mcore, PROXY, LORA)
+    first = _steps(cfg, *run, steps=2)
+    model, ddp, optimizer, scheduler = run
+    assert any(is_adapter_param(k) for k in model.sharded_state_dict())
+    checkpointing.save(str(tmp_path), 2, model, optimizer, scheduler, {})
+    cfg, *run = _build(mcore, PROXY, LORA, seed=1)
+    model, ddp, optimizer, scheduler = run
+    assert checkpointing.load(checkpointing.resolve("latest", str(tmp_path)), model, optimizer, scheduler)[0] == 2
+    rest = _steps(cfg, *run, steps=2)
+    assert torch.equal(torch.stack(first + rest), torch.stack(whole))
 
 
 def test_lora_requests_are_checked():
@@ -132,6 +162,8 @@ def test_merged_export_matches_the_lora_model(mcore, tmp_path):
     checkpointing.save_weights(tmp_path / "lora", model, meta_files={
         "model_config.json": json.dumps(dataclasses.asdict(m)), "hf_config.json": (hf_dir / "config.json").read_text()})
 
+    with pytest.raises(AssertionError, match="pass --merge-lora"):
+        _run("scripts/convert_hf.py", "export", "--ckpt", str(tmp_path / "lora"), "--out", str(tmp_path / "x"))
     proc_out = tmp_path / "merged"
     _run("scripts/convert_hf.py", "export", "--ckpt", str(tmp_path / "lora"), "--out", str(proc_out),
          "--dtype", "fp32", "--merge-lora")
