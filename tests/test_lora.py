@@ -138,13 +138,14 @@ def test_merged_export_matches_the_lora_model(mcore, tmp_path):
     from multimodal import checkpointing
     from multimodal.config import LoRAConfig, ParallelConfig
     from multimodal.lora import apply_lora
+    from multimodal.platform import seed_everything
 
     hf_dir = make_hf_checkpoint(tmp_path / "hf", moe=True, tied=False)  # shared expert + GDN + attention
     _run("scripts/convert_hf.py", "import", "--hf-dir", str(hf_dir), "--out", str(tmp_path / "imported"))
     m = model_config_from_hf(hf_dir)
     m.attention_backend, m.gdn_backend, m.moe_aux_loss_coeff = "sdpa", "torch", 0.0
     m.lora = LoRAConfig(rank=4, alpha=8.0)
-    torch.manual_seed(0)
+    seed_everything(0)
     model = build(m, ParallelConfig(), torch.float32)
     apply_lora(model, m.lora)
     checkpointing.load_weights(checkpointing.resolve(str(tmp_path / "imported"), None), model)
