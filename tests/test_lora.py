@@ -179,3 +179,26 @@ def test_merged_export_matches_the_lora_model(mcore, tmp_path):
                            mm_token_type_ids=(input_ids == m.image_token_id).int()).logits
     assert (base_logits - ours).abs().max() > 1e-2  # the adapters matter
     assert (theirs - ours).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("config", [PROXY, MOE])
+def test_dry_run_counts_the_adapters_exactly(mcore, config):
+    from models.qwen35_vl.model import build
+    from multimodal.config import ParallelConfig
+    from multimodal.dry_run import check_layout, stage_memory, stage_params
+    from multimodal.lora import apply_lora
+    from multimodal.platform import seed_everything
+
+    cfg = load_config(config, LORA)
+    validate(cfg)
+    seed_everything(0)
+    model = build(cfg.model, ParallelConfig(), torch.float32)
+    apply_lora(model, cfg.model.lora)
+    adapters = sum(p.numel() for n, p in model.named_parameters() if is_adapter_param(n))
+    base = sum(p.numel() for n, p in model.named_parameters() if not is_adapter_param(n))
+    lay, _ = check_layout(cfg, 1)
+    sp = stage_params(cfg.model, lay.tp, lay.pp, lay.ep, 0)
+    assert sp.parts["lora"] == adapters
+    assert sp.total - sp.frozen == adapters and sp.frozen == base
+    mem = stage_memory(cfg, lay, sp)
+    assert mem.grads == pytest.approx(4 * adapters / 2**30)  # fp32 gradient for the adapters only
