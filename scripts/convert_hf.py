@@ -17,6 +17,10 @@ A checkpoint of a LoRA run (``model.lora``) exports with --merge-lora: each adap
 into its base weight (W + alpha/rank * B @ A, in fp32) and the result is a plain HF checkpoint
 whose logits equal the LoRA model's. The LoRA settings come from --config, else from the
 checkpoint's model_config.json. Exporting such a checkpoint without --merge-lora is refused.
+--adapter-only writes just the adapters as a PEFT LoRA adapter (adapter_config.json +
+adapter_model.safetensors, HF module names: a fused layer of ours becomes each HF module it
+holds, with the same A and that module's rows of B) to load with
+``peft.PeftModel.from_pretrained`` on top of the base HF checkpoint.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from models.qwen35_vl.hf import (  # noqa: E402
     hf_config_from_ours,
     hf_to_ours,
     load_hf_state_dict,
+    lora_to_hf,
     model_config_from_hf,
     ours_to_hf,
 )
@@ -108,7 +113,29 @@ def lora_config_of_checkpoint(ckpt: Path, recipe: str | None):
     return lora
 
 
-def do_export(ckpt: str, out: str, recipe: str | None, dtype: str, merge_lora: bool = False) -> Path:
+def _write_peft_adapter(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], lora, outd: Path) -> Path:
+    """A PEFT LoRA adapter: adapter_config.json (target_modules: a regex of exactly these HF
+    modules) + adapter_model.safetensors (``base_model.model.<module>.lora_A/B.weight``, fp32)."""
+    import re
+
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for module, (a, b) in adapters.items():
+        tensors[f"base_model.model.{module}.lora_A.weight"] = a.detach().float().clone()
+        tensors[f"base_model.model.{module}.lora_B.weight"] = b.detach().float().clone()
+    config = {"peft_type": "LORA", "task_type": None, "base_model_name_or_path": None, "r": lora.rank,
+              "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "bias": "none", "fan_in_fan_out": False,
+              "use_rslora": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+              "target_modules": "^(?:" + "|".join(re.escape(k) for k in sorted(adapters)) + ")$"}
+    outd.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(outd / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (outd / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return outd
+
+
+def do_export(ckpt: str, out: str, recipe: str | None, dtype: str, merge_lora: bool = False,
+              adapter_only: bool = False) -> Path:
     from megatron.core import dist_checkpointing
     from safetensors.torch import save_file
 
@@ -121,15 +148,18 @@ def do_export(ckpt: str, out: str, recipe: str | None, dtype: str, merge_lora: b
     m = model_config_of_checkpoint(path, recipe)
     model = _build(m)
     has_adapters = any(is_adapter_param(k) for k in dist_checkpointing.load_tensors_metadata(str(path)))
-    if has_adapters and not merge_lora:
-        raise ValueError(f"{path} holds LoRA adapters: pass --merge-lora to fold them into the exported weights")
-    if merge_lora:
+    if has_adapters and not (merge_lora or adapter_only):
+        raise ValueError(f"{path} holds LoRA adapters: pass --merge-lora to fold them into the exported weights "
+                         "(or --adapter-only for a PEFT adapter)")
+    if merge_lora or adapter_only:
         if not has_adapters:
-            raise ValueError(f"--merge-lora: {path} holds no LoRA adapters")
+            raise ValueError(f"--merge-lora / --adapter-only: {path} holds no LoRA adapters")
         lora = lora_config_of_checkpoint(path, recipe)
         apply_lora(model, lora)
     checkpointing.load_weights(path, model)
     state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    if adapter_only:
+        return _write_peft_adapter(lora_to_hf(state, m), lora, Path(out))
     if merge_lora:
         state = merged_state_dict(state, lora.alpha / lora.rank)
     hf = ours_to_hf(state, m)
@@ -167,11 +197,13 @@ def main(argv=None) -> int:
                      help="auto: the dtype of the imported HF checkpoint, else fp32")
     exp.add_argument("--merge-lora", action="store_true",
                      help="fold the LoRA adapters of a model.lora run into the base weights")
+    exp.add_argument("--adapter-only", action="store_true",
+                     help="write only the LoRA adapters, as a PEFT adapter (HF module names) for the base checkpoint")
     args = ap.parse_args(argv)
     if args.cmd == "import":
         print(do_import(args.hf_dir, args.out, args.tp, args.pp, args.ep))
     else:
-        print(do_export(args.ckpt, args.out, args.config, args.dtype, args.merge_lora))
+        print(do_export(args.ckpt, args.out, args.config, args.dtype, args.merge_lora, args.adapter_only))
     return 0
 
 

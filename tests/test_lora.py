@@ -180,6 +180,19 @@ def test_merged_export_matches_the_lora_model(mcore, tmp_path):
     assert (base_logits - ours).abs().max() > 1e-2  # the adapters matter
     assert (theirs - ours).abs().max() <= 1e-4
 
+    # --adapter-only: a PEFT adapter that peft loads on top of the base HF checkpoint
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return  # peft is in the dev extra
+    _run("scripts/convert_hf.py", "export", "--ckpt", str(tmp_path / "lora"), "--out", str(tmp_path / "peft"),
+         "--adapter-only")
+    peft_model = PeftModel.from_pretrained(base, tmp_path / "peft").eval()
+    with torch.no_grad():
+        peft_logits = peft_model(input_ids=input_ids, pixel_values=pixels, image_grid_thw=grid,
+                                 mm_token_type_ids=(input_ids == m.image_token_id).int()).logits
+    assert (peft_logits - ours).abs().max() <= 1e-4
+
 
 @pytest.mark.parametrize("config", [PROXY, MOE])
 def test_dry_run_counts_the_adapters_exactly(mcore, config):
