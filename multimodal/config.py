@@ -455,7 +455,6 @@ def validate(cfg: Config, world_size: int = 1) -> None:
 
         why = check_lora(m.lora, p.tp, t.cuda_graphs)
         _require(why is None, f"model.lora.{why}")
-    _require(m.lora.rank >= 0, f"model.lora.rank must be >= 0 (0 = off), got {m.lora.rank}")
     if t.recompute_modules:
         from multimodal.recompute import check_modules
 
