@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 
+from models.common.lora import is_adapter_param
+
 log = logging.getLogger(__name__)
 
 
@@ -149,9 +151,24 @@ def save_weights(ckpt_dir: str | Path, model, extra: dict | None = None,
 def load_weights(path: Path, model) -> dict:
     """Load only the model weights of any checkpoint (under any TP/EP layout); returns trainer_state."""
     trainer = json.loads((path / "trainer_state.json").read_text())
-    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(path))
+    sharded = model.sharded_state_dict()
+    fresh = _adapters_not_in(path, sharded)
+    state = dist_checkpointing.load({"model": {k: v for k, v in sharded.items() if k not in fresh}}, str(path))
+    if fresh:  # a base-only checkpoint (e.g. converted from HF) under a LoRA model: adapters start fresh
+        log.info("%s has no LoRA adapters: %d adapter tensors keep their initial values", path, len(fresh))
+        current = model.state_dict()
+        state["model"].update({k: current[k] for k in fresh})
     model.load_state_dict(state["model"])
     return trainer
+
+
+def _adapters_not_in(path: Path, sharded: dict) -> set[str]:
+    """The LoRA adapter entries of ``sharded`` that the checkpoint at ``path`` does not hold."""
+    adapters = {k for k in sharded if is_adapter_param(k)}
+    if not adapters:
+        return set()
+    saved = dist_checkpointing.load_tensors_metadata(str(path))
+    return {k for k in adapters if sharded[k].key not in saved}
 
 
 def _prime_distributed_optimizer_state(optimizer) -> None:

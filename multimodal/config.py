@@ -37,6 +37,20 @@ class VisionConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """LoRA adapters on the language model's linear layers (multimodal/lora.py): y = W x +
+    (alpha / rank) * B A dropout(x); the base weights are frozen, only A and B train."""
+
+    rank: int = 0  # 0 = off
+    alpha: float = 16.0
+    dropout: float = 0.0
+    # Layers that get an adapter: linear_qkv, linear_proj (full attention), in_proj, out_proj
+    # (GDN), linear_fc1, linear_fc2 (dense MLP), shared_experts (the shared expert's fc1 and fc2).
+    targets: list[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "in_proj", "out_proj",
+                                                         "linear_fc1", "linear_fc2", "shared_experts"])
+
+
+@dataclass
 class ModelConfig:
     name: str = "qwen35_vl"  # key of models.MODEL_REGISTRY
     # A Hugging Face checkpoint dir (or its config.json): the architecture fields below are then
@@ -123,6 +137,8 @@ class ModelConfig:
     # layers and final norm), embedding (token embedding), lm_head (output layer). Frozen weights
     # get no gradient buffer and no optimizer state, and stay bit-identical.
     freeze: list[str] = field(default_factory=list)
+    # LoRA adapters (rank 0 = off); with them every base weight is frozen.
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     vision: VisionConfig = field(default_factory=VisionConfig)
 
     def is_full_attention(self, layer: int) -> bool:
@@ -434,6 +450,11 @@ def validate(cfg: Config, world_size: int = 1) -> None:
 
         why = check_freeze(m.freeze, m.tie_word_embeddings, t.cuda_graphs)
         _require(why is None, f"model.freeze: {why}")
+    if m.lora.rank:
+        from multimodal.lora import check_lora
+
+        why = check_lora(m.lora, p.tp, t.cuda_graphs)
+        _require(why is None, f"model.lora.{why}")
     if t.recompute_modules:
         from multimodal.recompute import check_modules
 

@@ -231,6 +231,27 @@ def mlp_params(m: ModelConfig, tp: int, ep: int) -> tuple[int, int]:
     return dense, experts
 
 
+def lora_params(m: ModelConfig, n_gdn: int, n_attn: int) -> int:
+    """Adapter parameters (rank x (in + out) per adapted layer, TP = 1) of ``model.lora`` on
+    ``n_gdn`` GDN and ``n_attn`` attention layers (multimodal/lora.py's targets)."""
+    lora = getattr(m, "lora", None)
+    if lora is None or not lora.rank:
+        return 0
+    h, t = m.hidden_size, set(lora.targets)
+    qk = m.linear_num_key_heads * m.linear_key_head_dim
+    v = m.linear_num_value_heads * m.linear_value_head_dim
+    q, kv = m.num_attention_heads * m.head_dim, m.num_query_groups * m.head_dim
+    gdn = ("in_proj" in t) * (h + 2 * qk + 2 * v + 2 * m.linear_num_value_heads) + ("out_proj" in t) * (v + h)
+    attn = ("linear_qkv" in t) * (h + 2 * q + 2 * kv) + ("linear_proj" in t) * (q + h)
+    if m.num_experts:
+        s = m.moe_shared_expert_intermediate_size or 0
+        mlp = ("shared_experts" in t) * bool(s) * (h + 2 * s + s + h)
+    else:
+        f = m.ffn_hidden_size
+        mlp = ("linear_fc1" in t) * (h + 2 * f) + ("linear_fc2" in t) * (f + h)
+    return lora.rank * (n_gdn * (gdn + mlp) + n_attn * (attn + mlp))
+
+
 def stage_layers(m: ModelConfig, pp: int, stage: int) -> range:
     per = m.num_layers // pp
     return range(stage * per, (stage + 1) * per)
@@ -282,6 +303,11 @@ def stage_params(m: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1, stage: i
     }
     freeze = set(getattr(m, "freeze", ()))
     frozen = sum(n for g, n in frozen_by_group.items() if g in freeze)
+    lora = getattr(m, "lora", None)
+    if lora is not None and lora.rank:  # model.lora: every base weight frozen, the adapters train
+        frozen = sum(parts.values())
+        parts["lora"] = lora_params(m, n_gdn, n_attn)
+        return StageParams(stage, n_gdn, n_attn, parts, parts["experts"], frozen, parts["experts"])
     return StageParams(stage, n_gdn, n_attn, parts, parts["experts"], frozen,
                        parts["experts"] if "language" in freeze else 0)
 
@@ -400,7 +426,8 @@ def stage_memory(cfg: Config, lay: Layout, sp_: StageParams, overhead_gib: float
         frac = image_fraction(cfg) if img_fraction is None else img_fraction
         # every TP and CP rank of the first stage encodes all images of the micro-batch
         patches = frac * t.micro_batch_size * t.seq_length * m.vision.spatial_merge_size**2
-        if "vision" not in getattr(m, "freeze", ()):  # a frozen ViT keeps nothing for backward
+        lora_on = getattr(getattr(m, "lora", None), "rank", 0)
+        if "vision" not in getattr(m, "freeze", ()) and not lora_on:  # a frozen ViT keeps nothing for backward
             act += patches * vision_bytes_per_patch(m)
         act += tokens * 2 * m.hidden_size  # embeddings
     in_flight = lay.in_flight(sp_.stage)
@@ -444,6 +471,10 @@ def dry_run(cfg: Config, world_size: int | None = None, gpu_mem_gib: float = 80.
     if m.freeze:
         out(f"  frozen (model.freeze={list(m.freeze)}): {_fmt_params(sum(s.frozen for s in stages))} parameters "
             f"on the first rank of each stage keep no gradient and no optimizer state")
+    if m.lora.rank:
+        out(f"  LoRA (model.lora rank {m.lora.rank}): {_fmt_params(sum(s.parts['lora'] for s in stages))} adapter "
+            f"parameters train; {_fmt_params(sum(s.frozen for s in stages))} base parameters on the first rank "
+            f"of each stage are frozen (no gradient, no optimizer state)")
     out(f"  batch: {cfg.train.global_batch_size} x {cfg.train.seq_length} tokens per step, micro-batch "
         f"{cfg.train.micro_batch_size}, {lay.num_microbatches} micro-batches per DP rank per step")
     active_s = f", active per token {_fmt_params(active)}" if m.num_experts else ""

@@ -40,6 +40,7 @@ from models.common import layer_graphs, wgrad_fusion
 from multimodal.platform import Runtime, init_distributed, seed_everything, use_deterministic_algorithms
 from multimodal.freeze import describe as describe_freeze
 from multimodal.freeze import freeze
+from multimodal.lora import apply_lora
 from multimodal.profiling import StepProfiler
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,8 @@ def build_model_and_optimizer(cfg: Config, rt: Runtime, dtype: torch.dtype):
                     post_process=ps.is_pipeline_last_stage(), deterministic=cfg.train.deterministic)
     model.to(rt.device)
     log.info(describe_freeze(freeze(model, cfg.model.freeze)))  # before DDP: no buffers for frozen weights
+    if cfg.model.lora.rank:  # adapters added and every base weight frozen, before DDP as well
+        log.info(apply_lora(model, cfg.model.lora))
     if cfg.train.recompute_modules:
         from multimodal.recompute import apply_recompute
 

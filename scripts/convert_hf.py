@@ -1,7 +1,7 @@
 """Convert between Hugging Face Qwen3.5(-MoE) checkpoints and ours.
 
     python scripts/convert_hf.py import --hf-dir DIR --out CKPT [--tp N --pp N --ep N]
-    python scripts/convert_hf.py export --ckpt CKPT --out DIR [--config RECIPE.yaml]
+    python scripts/convert_hf.py export --ckpt CKPT --out DIR [--config RECIPE.yaml] [--merge-lora]
 
 import writes a weights-only megatron dist-checkpoint (iter_0000000 + latest) that training
 loads with ``checkpoint.load=CKPT`` and ``model.hf_config=DIR`` (the shapes come from DIR's
@@ -12,6 +12,15 @@ export loads any of our checkpoints (weights-only or a training checkpoint, save
 TP/EP layout) into one process and writes model.safetensors + config.json that
 ``from_pretrained`` loads. The model shapes come from the checkpoint (written at import or by
 training), or from --config.
+
+A checkpoint of a LoRA run (``model.lora``) exports with --merge-lora: each adapter is folded
+into its base weight (W + alpha/rank * B @ A, in fp32) and the result is a plain HF checkpoint
+whose logits equal the LoRA model's. The LoRA settings come from --config, else from the
+checkpoint's model_config.json. Exporting such a checkpoint without --merge-lora is refused.
+--adapter-only writes just the adapters as a PEFT LoRA adapter (adapter_config.json +
+adapter_model.safetensors, HF module names: a fused layer of ours becomes each HF module it
+holds, with the same A and that module's rows of B) to load with
+``peft.PeftModel.from_pretrained`` on top of the base HF checkpoint.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from models.qwen35_vl.hf import (  # noqa: E402
     hf_config_from_ours,
     hf_to_ours,
     load_hf_state_dict,
+    lora_to_hf,
     model_config_from_hf,
     ours_to_hf,
 )
@@ -86,17 +96,72 @@ def model_config_of_checkpoint(ckpt: Path, recipe: str | None) -> ModelConfig:
     raise FileNotFoundError(f"{ckpt} records no model config; pass --config RECIPE.yaml")
 
 
-def do_export(ckpt: str, out: str, recipe: str | None, dtype: str) -> Path:
+def lora_config_of_checkpoint(ckpt: Path, recipe: str | None):
+    """The ``model.lora`` a checkpoint was trained with: --config, else its model_config.json."""
+    from multimodal.config import LoRAConfig
+    from multimodal.config import _build as build_dataclass
+
+    if recipe:
+        lora = load_config(recipe).model.lora
+    elif (ckpt / MODEL_CONFIG_FILE).is_file():
+        raw = json.loads((ckpt / MODEL_CONFIG_FILE).read_text()).get("lora") or {}
+        lora = build_dataclass(LoRAConfig, raw, "model.lora.")
+    else:
+        raise FileNotFoundError(f"{ckpt} records no model config; pass --config RECIPE.yaml (its model.lora)")
+    if not lora.rank:
+        raise ValueError(f"--merge-lora: model.lora.rank is 0 for {ckpt}; pass --config with the run's model.lora")
+    return lora
+
+
+def _write_peft_adapter(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], lora, outd: Path) -> Path:
+    """A PEFT LoRA adapter: adapter_config.json (target_modules: a regex of exactly these HF
+    modules) + adapter_model.safetensors (``base_model.model.<module>.lora_A/B.weight``, fp32)."""
+    import re
+
     from safetensors.torch import save_file
 
+    tensors = {}
+    for module, (a, b) in adapters.items():
+        tensors[f"base_model.model.{module}.lora_A.weight"] = a.detach().float().clone()
+        tensors[f"base_model.model.{module}.lora_B.weight"] = b.detach().float().clone()
+    config = {"peft_type": "LORA", "task_type": None, "base_model_name_or_path": None, "r": lora.rank,
+              "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "bias": "none", "fan_in_fan_out": False,
+              "use_rslora": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
+              "target_modules": "^(?:" + "|".join(re.escape(k) for k in sorted(adapters)) + ")$"}
+    outd.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(outd / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (outd / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return outd
+
+
+def do_export(ckpt: str, out: str, recipe: str | None, dtype: str, merge_lora: bool = False,
+              adapter_only: bool = False) -> Path:
+    from megatron.core import dist_checkpointing
+    from safetensors.torch import save_file
+
+    from models.common.lora import is_adapter_param, merged_state_dict
     from multimodal import checkpointing
+    from multimodal.lora import apply_lora
 
     _init()
     path = checkpointing.resolve(ckpt, None)
     m = model_config_of_checkpoint(path, recipe)
     model = _build(m)
+    has_adapters = any(is_adapter_param(k) for k in dist_checkpointing.load_tensors_metadata(str(path)))
+    if has_adapters and not (merge_lora or adapter_only):
+        raise ValueError(f"{path} holds LoRA adapters: pass --merge-lora to fold them into the exported weights "
+                         "(or --adapter-only for a PEFT adapter)")
+    if merge_lora or adapter_only:
+        if not has_adapters:
+            raise ValueError(f"--merge-lora / --adapter-only: {path} holds no LoRA adapters")
+        lora = lora_config_of_checkpoint(path, recipe)
+        apply_lora(model, lora)
     checkpointing.load_weights(path, model)
     state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    if adapter_only:
+        return _write_peft_adapter(lora_to_hf(state, m), lora, Path(out))
+    if merge_lora:
+        state = merged_state_dict(state, lora.alpha / lora.rank)
     hf = ours_to_hf(state, m)
     trainer = json.loads((path / "trainer_state.json").read_text())
     target = {"fp32": torch.float32, "bf16": torch.bfloat16, "auto": getattr(torch, trainer.get("hf_dtype", "float32"))}[dtype]
@@ -130,11 +195,15 @@ def main(argv=None) -> int:
     exp.add_argument("--config", help="recipe whose model section describes the checkpoint")
     exp.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
                      help="auto: the dtype of the imported HF checkpoint, else fp32")
+    exp.add_argument("--merge-lora", action="store_true",
+                     help="fold the LoRA adapters of a model.lora run into the base weights")
+    exp.add_argument("--adapter-only", action="store_true",
+                     help="write only the LoRA adapters, as a PEFT adapter (HF module names) for the base checkpoint")
     args = ap.parse_args(argv)
     if args.cmd == "import":
         print(do_import(args.hf_dir, args.out, args.tp, args.pp, args.ep))
     else:
-        print(do_export(args.ckpt, args.out, args.config, args.dtype))
+        print(do_export(args.ckpt, args.out, args.config, args.dtype, args.merge_lora, args.adapter_only))
     return 0
 
 

@@ -263,6 +263,35 @@ def ours_to_hf(ours: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch
     return {k: t.contiguous() for k, t in hf.items()}
 
 
+def lora_to_hf(ours: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """HF module name -> (A, B) of every LoRA adapter in ``ours`` (our ``<layer>.lora_A`` [r, in] /
+    ``lora_B`` [out, r]). A fused layer of ours is several HF modules: each gets the same A and
+    its rows of B (the rows its weight takes), so B_hf @ A equals those rows of our B @ A."""
+    out = {}
+    for i in range(m.num_layers):
+        pairs = _layer_pairs(m, i)
+        if m.is_full_attention(i):
+            a = f"{HF_PREFIX}layers.{i}.self_attn"
+            pairs.append((f"language_model.decoder.layers.{i}.self_attention.linear_qkv.weight",
+                          [f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight"]))
+        for name, names in pairs:
+            base = name[: -len("weight")]
+            if not name.endswith(".weight") or base + "lora_A" not in ours:
+                continue
+            lora_a, lora_b = ours[base + "lora_A"], ours[base + "lora_B"]
+            if len(names) == 1:
+                rows = [lora_b]
+            elif name.endswith("linear_qkv.weight"):
+                rows = _attn_qkv_to_hf(lora_b, m)
+            elif name.endswith("in_proj.weight"):
+                rows = torch.split(lora_b, _gdn_sizes(m))
+            else:  # GLU fc1: [gate | up]
+                rows = torch.chunk(lora_b, 2)
+            for hf_name, b in zip(names, rows):
+                out[hf_name[: -len(".weight")]] = (lora_a.contiguous(), b.contiguous())
+    return out
+
+
 def load_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a safetensors checkpoint, single file or sharded with an index."""
     from safetensors.torch import load_file

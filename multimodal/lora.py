@@ -1,0 +1,80 @@
+"""``model.lora``: LoRA adapters on the language model's linear layers, base weights frozen.
+
+Applied once to the built model, before megatron's DDP and optimizer (like ``model.freeze``):
+every base weight gets ``requires_grad=False`` (no gradient buffer, no fp32 main copy, no Adam
+moments); only the adapters' A and B train, in fp32 main params as usual. The adapter layer
+itself is ``models/common/lora.py``.
+
+Targets name the layers of a decoder layer: linear_qkv / linear_proj (full attention), in_proj /
+out_proj (GDN), linear_fc1 / linear_fc2 (dense MLP), shared_experts (the MoE shared expert's
+fc1 and fc2). Routed experts are refused (their weights are one grouped tensor per layer).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from models.common.lora import add_adapter, is_adapter_param
+
+# target -> the module path inside a decoder layer
+TARGETS = {
+    "linear_qkv": "self_attention.linear_qkv",
+    "linear_proj": "self_attention.linear_proj",
+    "in_proj": "self_attention.in_proj",
+    "out_proj": "self_attention.out_proj",
+    "linear_fc1": "mlp.linear_fc1",
+    "linear_fc2": "mlp.linear_fc2",
+    "shared_experts": ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"),
+}
+_LAYER = re.compile(r"^language_model\.decoder\.layers\.\d+\.(.+)$")
+
+
+def check_lora(lora, tp: int, cuda_graphs: bool) -> str | None:
+    """Why this ``model.lora`` cannot run (None when it can); the text starts with the field."""
+    if lora.rank < 0:
+        return f"rank must be >= 0 (0 = off), got {lora.rank}"
+    if lora.alpha <= 0:
+        return f"alpha must be > 0, got {lora.alpha}"
+    if not 0 <= lora.dropout < 1:
+        return f"dropout must be in [0, 1), got {lora.dropout}"
+    if not lora.targets:
+        return f"targets is empty; choose from {list(TARGETS)}"
+    if "experts" in lora.targets:
+        return ("targets: routed experts (experts) are not supported (one grouped weight per layer); "
+                "use shared_experts and the attention / GDN projections")
+    unknown = sorted(set(lora.targets) - set(TARGETS))
+    if unknown:
+        return f"targets: unknown {unknown}; choose from {list(TARGETS)}"
+    if tp > 1:
+        return (f"rank: LoRA runs with parallel.tp=1 only (the adapters are not split across tensor-parallel "
+                f"ranks yet), got parallel.tp={tp}; use tp=1 or model.lora.rank=0")
+    if cuda_graphs:
+        return "rank: cannot be combined with train.cuda_graphs yet; set train.cuda_graphs=false"
+    return None
+
+
+def _wanted(targets: list[str]) -> set[str]:
+    out = set()
+    for t in targets:
+        paths = TARGETS[t]
+        out.update((paths,) if isinstance(paths, str) else paths)
+    return out
+
+
+def apply_lora(model: torch.nn.Module, lora) -> str:
+    """Add the adapters of ``lora`` (a LoRAConfig with rank > 0) to ``model`` and freeze every
+    other weight; returns the log line (adapted layers, trainable parameters)."""
+    wanted = _wanted(lora.targets)
+    adapted = [m for name, m in model.named_modules()
+               if (hit := _LAYER.match(name)) and hit.group(1) in wanted]
+    for m in adapted:
+        add_adapter(m, lora.rank, lora.alpha, lora.dropout)
+    trainable = total = 0
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_adapter_param(name))
+        trainable += p.numel() if p.requires_grad else 0
+        total += p.numel()
+    return (f"LoRA rank {lora.rank} alpha {lora.alpha} on {len(adapted)} layers ({', '.join(lora.targets)}): "
+            f"trainable parameters on this rank {trainable:,} of {total:,} (base weights frozen)")
