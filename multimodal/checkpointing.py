@@ -106,17 +106,32 @@ def save(ckpt_dir: str, iteration: int, model, optimizer, scheduler, data_state:
          meta_files: dict[str, str] | None = None) -> Path:
     """A training checkpoint. meta_files: small text files written beside the weights
     (model_config.json, hf_config.json) so export and later tools know the architecture."""
-    trainer = {"iteration": iteration, "scheduler": scheduler.state_dict(), "world_size": dist.get_world_size()}
+    # the trainer checks the weights before every save (multimodal/nonfinite.py): pruning keeps
+    # the newest checkpoint marked so
+    trainer = {"iteration": iteration, "scheduler": scheduler.state_dict(), "world_size": dist.get_world_size(),
+               "finite": True}
     return _write(Path(ckpt_dir), iteration, _sharded_state(model, optimizer, is_loading=False), trainer,
                   meta_files, {"rng": _rng_state(), "data": data_state}, keep_last)
 
 
 def _prune(root: Path, keep_last: int) -> None:
+    """Keep the newest ``keep_last`` checkpoints, and always the newest one whose weights were
+    checked finite when it was written (older checkpoints carry no such mark)."""
     if keep_last <= 0:
         return
     done = sorted(p for p in root.glob("iter_*") if p.is_dir() and not p.name.endswith(".tmp"))
-    for old in done[:-keep_last]:
-        shutil.rmtree(old)
+    finite = [p for p in done if _trainer_state(p).get("finite")]
+    keep = set(done[-keep_last:]) | set(finite[-1:])
+    for old in done:
+        if old not in keep:
+            shutil.rmtree(old)
+
+
+def _trainer_state(path: Path) -> dict:
+    try:
+        return json.loads((path / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def resolve(load: str, ckpt_dir: str | None) -> Path | None:

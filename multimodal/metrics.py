@@ -51,11 +51,7 @@ class MetricsSink:
                     self.tb.add_scalar(k, v, step)
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in row.items() if v is not None}, step=step)
-        line = (
-            f"step {step:6d} | loss {row['loss']:.4f} | grad_norm {row['grad_norm']:.3f} | lr {row['lr']:.2e} | "
-            f"{row['tokens_per_s']:.0f} tok/s | {row['tflops_per_gpu']:.3g} TFLOP/s/GPU | "
-            f"mfu {_fmt(row['mfu'])} | peak mem {row['mem_peak_gib']:.2f} GiB"
-        )
+        line = console_line(step, metrics)
         if self.bar is not None:
             self.bar.write(line)
         else:
@@ -75,6 +71,28 @@ class MetricsSink:
             self.wandb.finish()
 
 
+def console_line(step: int, m: dict) -> str:
+    """The progress line; any value may be missing, None, NaN or inf (a diverged step), never an error."""
+    line = (
+        f"step {step:6d} | loss {_num(m.get('loss'), '.4f')} | grad_norm {_num(m.get('grad_norm'), '.3f')} | "
+        f"lr {_num(m.get('lr'), '.2e')} | {_num(m.get('tokens_per_s'), '.0f')} tok/s | "
+        f"{_num(m.get('tflops_per_gpu'), '.3g')} TFLOP/s/GPU | mfu {_fmt(m.get('mfu'))} | "
+        f"peak mem {_num(m.get('mem_peak_gib'), '.2f')} GiB"
+    )
+    if m.get("skipped_steps"):
+        line += f" | skipped {m['skipped_steps']} (non-finite; {m.get('skipped_total', '?')} in all)"
+    return line
+
+
+def _num(v, spec: str) -> str:
+    if v is None:
+        return "n/a"
+    try:
+        return format(v, spec)
+    except (TypeError, ValueError):
+        return str(v)
+
+
 def _clean(v):
     if isinstance(v, float) and (math.isnan(v) or math.isinf(v)):
         return None if math.isnan(v) else v
@@ -82,4 +100,4 @@ def _clean(v):
 
 
 def _fmt(v) -> str:
-    return "n/a" if v is None else f"{100 * v:.1f}%"
+    return "n/a" if v is None or not isinstance(v, (int, float)) else f"{100 * v:.1f}%"
