@@ -280,7 +280,8 @@ def _build_and_loop(cfg: Config, rt: Runtime, dtype: torch.dtype, mem: MemoryToo
 
     start, last_good = 0, None
     if load_path is not None:
-        start, data_state = checkpointing.load(load_path, model, optimizer, scheduler)
+        start, data_state = checkpointing.load(load_path, model, optimizer, scheduler,
+                                               model_config=dataclasses.asdict(m))
         last_good = str(load_path)
         if data_state is not None:
             loader.load_state_dict(data_state)
