@@ -34,7 +34,7 @@ class DiskFullError(CheckpointError):
     """No space left while writing a checkpoint; the partial files are removed."""
 
 
-class DataError(TrainingError):
+class DataError(TrainingError, RuntimeError):
     """Data files the run cannot read at all (wrong columns, too many unusable rows)."""
 
 

@@ -367,6 +367,7 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
             if it % cfg.logging.interval == 0 or it == t.iters:
                 pending = _start_log(it, report, grad_norm, scheduler, window, clock, model, rt,
                                      t.global_batch_size * t.seq_length, overlap, guard.counters)
+                pending.host.update(_data_counts(batches))
                 report.zero_()  # (queued after the copies _start_log made of it)
                 window = _Window()
             if ck.dir and ((ck.interval and it % ck.interval == 0) or (it == t.iters and ck.save_at_end)):
@@ -385,6 +386,7 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
                 guard.last_good = str(saved)
             result.last_iteration = it
         flush_log()
+        _log_data_summary(batches)
     except BaseException as e:
         # keep the last log line of a run that fails one step later; with several ranks its
         # reductions may wait on a peer that is gone, so only alone
@@ -532,7 +534,7 @@ def _emit(p: _PendingLog, peak, sink: MetricsSink, result: TrainResult, guard: N
         # real tokens / tokens processed (padding included): how full the packed rows were
         "real_token_fraction": totals[2] / max(p.host["processed_tokens"], 1),
     }
-    metrics.update({k: v for k, v in p.host.items() if k.startswith("cuda_graph")})
+    metrics.update({k: v for k, v in p.host.items() if k.startswith(("cuda_graph", "rows_"))})
     error = None
     if guard is not None:
         guard_metrics, error = guard.review(p.it, totals[6:])
@@ -541,6 +543,26 @@ def _emit(p: _PendingLog, peak, sink: MetricsSink, result: TrainResult, guard: N
     sink.log(p.it, metrics)
     if error is not None:  # after the row: the log shows the skipped steps that stopped the run
         raise error
+
+
+def _data_counts(batches) -> dict:
+    """This rank's rows read and skipped so far (by reason), for the log row."""
+    source = getattr(batches, "iterator", batches)  # under the prefetch thread: its loader
+    summary = source.summary() if hasattr(source, "summary") else None
+    if summary is None:
+        return {}
+    out = {"rows_read": summary["rows_read"], "rows_skipped": summary["rows_skipped"]}
+    if summary["skipped_by_reason"]:
+        out["rows_skipped_by_reason"] = summary["skipped_by_reason"]
+    return out
+
+
+def _log_data_summary(batches) -> None:
+    counts = _data_counts(batches)
+    if counts:
+        reasons = ", ".join(f"{k}: {v}" for k, v in sorted(counts.get("rows_skipped_by_reason", {}).items()))
+        log.info("data: %d rows read, %d skipped%s (data-parallel rank %d)", counts["rows_read"],
+                 counts["rows_skipped"], f" ({reasons})" if reasons else "", ps.get_data_parallel_rank())
 
 
 def _param_norm(model) -> torch.Tensor:
