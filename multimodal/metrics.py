@@ -1,4 +1,10 @@
-"""Where metrics go: console (with a progress bar), metrics.jsonl, TensorBoard, W&B. Rank 0 only."""
+"""Where metrics go: console (with a progress bar), metrics.jsonl, TensorBoard, W&B. Rank 0 only.
+
+metrics.jsonl holds each logged step once, across kills and resumes: a run starting at step S
+(0 when fresh) first drops the rows past S (they were logged after the checkpoint it resumes
+from and will be logged again), and TensorBoard purges its events past S likewise. The trainer
+writes every logged step up to a checkpoint before that checkpoint exists.
+"""
 
 from __future__ import annotations
 
@@ -22,18 +28,21 @@ class MetricsSink:
             return
         out = Path(cfg.dir)
         out.mkdir(parents=True, exist_ok=True)
+        drop_rows_after(out / "metrics.jsonl", start_iter)
         self.jsonl = open(out / "metrics.jsonl", "a", buffering=1)
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=str(out / "tensorboard"))
+            # purge_step: events at or after it, from an earlier attempt, are hidden
+            self.tb = SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=start_iter + 1)
         if cfg.wandb:
             try:
                 import wandb
             except ImportError as e:
                 raise RuntimeError("logging.wandb=true needs `pip install -e .[wandb]`") from e
-            os.environ.setdefault("WANDB_MODE", cfg.wandb_mode)
-            self.wandb = wandb.init(project=cfg.wandb_project, dir=str(out), config=config_dict)
+            # the recipe's wandb_mode wins; unset, WANDB_MODE decides, else offline
+            mode = cfg.wandb_mode or os.environ.get("WANDB_MODE") or "offline"
+            self.wandb = wandb.init(project=cfg.wandb_project, dir=str(out), config=config_dict, mode=mode)
         if cfg.progress_bar:
             from tqdm import tqdm
 
@@ -69,6 +78,30 @@ class MetricsSink:
             self.jsonl.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def drop_rows_after(path: Path, step: int) -> int:
+    """Rewrite ``path`` without rows whose step is past ``step`` (atomically); returns how many went.
+    A torn last line (a kill mid-write) goes too."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            dropped += 1
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        os.replace(tmp, path)
+        log.info("metrics.jsonl: dropped %d row(s) past step %d (they are logged again by this run)", dropped, step)
+    return dropped
 
 
 def console_line(step: int, m: dict) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -42,9 +43,22 @@ def run_cli(log_dir: Path, *overrides: str, prelude: str = "", config: str = PRO
     args = ["--config", config, f"logging.dir={log_dir}", *(TINY if tiny else []), *overrides]
     code = f"{prelude}\nimport sys, runpy\nsys.argv = ['pretrain_multimodal.py', *{args!r}]\n" \
            "runpy.run_path('pretrain_multimodal.py', run_name='__main__')\n"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
-    return Run(proc.returncode, proc.stderr, Path(log_dir))
+    # stderr to a file, not a pipe, and the run in its own session: a run killed with SIGKILL
+    # leaves megatron's checkpoint-writer process behind, which would hold a pipe open forever;
+    # whatever of the session is left is killed afterwards (only processes this run started)
+    Path(log_dir).mkdir(parents=True, exist_ok=True)
+    err_path = Path(log_dir) / "stderr.txt"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                stderr=err, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=900)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return Run(rc, err_path.read_text(), Path(log_dir))
 
 
 def checkpoint_tensors(path: Path) -> dict:
