@@ -84,13 +84,15 @@ if triton is not None:
         n = tl.load(lengths_ptr + pid)
         if HAS_SCALE:
             grad_scale = tl.load(scale_ptr)
-        live = True
         if HAS_SKIP:
-            live = tl.load(skip_ptr) == 0
+            skip = tl.load(skip_ptr)
         for off in tl.static_range(0, CHUNK, BLOCK):
             idx = off + tl.arange(0, BLOCK)
             mask = idx < n
-            write = mask & live  # a skipped step leaves p, m, v and the output as they are
+            if HAS_SKIP:  # a skipped step leaves p, m, v and the output as they are
+                write = mask & (tl.zeros([BLOCK], dtype=tl.float32) + skip == 0.0)
+            else:
+                write = mask
             ptr = start + idx
             sp = state_start + idx
             p = tl.load(p_ptr + sp, mask=mask, other=0.0)
@@ -129,14 +131,17 @@ def flat_adamw_reference(param, grad, exp_avg, exp_avg_sq, out, starts, state_st
         new_m = beta1 * m + (1.0 - beta1) * g
         new_v = beta2 * v + (1.0 - beta2) * g * g
         new_p = new_p - step_size * new_m / (new_v.sqrt() / bc2_sqrt + eps)
+        new_out = new_p
         if skip is not None:  # chosen on the device, as the kernel does: no host read of the flag
             keep = skip.reshape(()) != 0
             new_p, new_m, new_v = (torch.where(keep, old, new) for old, new in ((p, new_p), (m, new_m), (v, new_v)))
+            if out is not None:
+                new_out = torch.where(keep, out[sl], new_p.to(out.dtype))
         p.copy_(new_p)
         m.copy_(new_m)
         v.copy_(new_v)
         if out is not None:
-            out[sl].copy_(p)
+            out[sl].copy_(new_out)
         if zero_grad:
             grad[sl].zero_()
 

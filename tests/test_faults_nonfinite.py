@@ -108,3 +108,47 @@ def test_guard_skips_a_fused_adamw_step_on_the_device(mcore):
     assert not torch.equal(p.detach(), torch.ones(3)) and float(adam.state[p]["step"]) == 1.0
     metrics, error = guard.review(2, guard.counters.tolist())
     assert metrics == {"skipped_steps": 1, "skipped_total": 1} and error is None
+
+
+_SKIP_CHECK = r"""
+import json, torch
+from kernels.flat_adamw import chunk_table, flat_adamw
+torch.manual_seed(0)
+n = 3000
+starts, state_starts, lengths = chunk_table([(0, 1000), (1024, 1900)], "cpu")
+hp = dict(lr=1e-2, weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8, step=3, zero_grad=True)
+result = {}
+for use_kernel in (True, False):
+    torch.manual_seed(0)  # the same buffers for both
+    p, m, v = torch.randn(n), torch.randn(n) * 1e-3, torch.rand(n) * 1e-4
+    out = torch.full((n,), 7.0)
+    before = [t.clone() for t in (p, m, v, out)]
+    g = torch.full((n,), float("nan"))
+    flat_adamw(p, g, m, v, out, starts, state_starts, lengths, skip=torch.ones(()), use_kernel=use_kernel, **hp)
+    unchanged = all(torch.equal(a, b) for a, b in zip((p, m, v, out), before))
+    zeroed = bool((g[:1000] == 0).all() and (g[1024:2924] == 0).all())
+    g = torch.randn(n)
+    flat_adamw(p, g, m, v, out, starts, state_starts, lengths, skip=torch.zeros(()), use_kernel=use_kernel, **hp)
+    result["kernel" if use_kernel else "reference"] = {"unchanged": unchanged, "zeroed": zeroed,
+                                                       "updated": not torch.equal(p, before[0]), "p": p.tolist()}
+print(json.dumps(result))
+"""
+
+
+def test_flat_adamw_kernel_skips_on_the_device_flag_in_the_interpreter():
+    """The Triton kernel (interpreter) and its reference: a flagged step writes nothing but the
+    gradient zeros; an unflagged one updates, both alike."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _SKIP_CHECK], cwd=root, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": root})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name in ("kernel", "reference"):
+        assert got[name]["unchanged"] and got[name]["zeroed"] and got[name]["updated"], (name, got[name])
+    assert max(abs(a - b) for a, b in zip(got["kernel"]["p"], got["reference"]["p"])) < 1e-6
