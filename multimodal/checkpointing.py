@@ -32,7 +32,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 
 from multimodal import checkpoint_checks as checks
-from multimodal.errors import CheckpointError, DiskFullError, one_line
+from multimodal.errors import CheckpointError, DiskFullError, IncompleteCheckpoint, one_line
 
 log = logging.getLogger(__name__)
 
@@ -209,12 +209,12 @@ def resolve(load: str, ckpt_dir: str | None) -> Path | None:
     else:
         path = Path(load)
         if not path.exists():
-            raise CheckpointError(f"checkpoint.load={load}: no such file or directory; point it at an "
+            raise IncompleteCheckpoint(f"checkpoint.load={load}: no such file or directory; point it at an "
                                   "iter_XXXXXXX directory, a checkpoint.dir, or use checkpoint.load=latest")
         if (path / "latest").is_file():  # a checkpoint.dir was given: take its newest
             path = path / (path / "latest").read_text().strip()
     if not (path / "trainer_state.json").is_file():
-        raise CheckpointError(
+        raise IncompleteCheckpoint(
             f"{path} is not a complete checkpoint (no trainer_state.json); "
             "point checkpoint.load at an iter_XXXXXXX directory or a checkpoint.dir with a 'latest' file"
         )

@@ -30,6 +30,10 @@ class CheckpointError(TrainingError):
     """A checkpoint that cannot be loaded or written: missing, truncated, another model's shapes."""
 
 
+class IncompleteCheckpoint(CheckpointError, FileNotFoundError):
+    """checkpoint.load names something that is not a complete checkpoint (or nothing at all)."""
+
+
 class DiskFullError(CheckpointError):
     """No space left while writing a checkpoint; the partial files are removed."""
 
