@@ -19,6 +19,7 @@ the checkpoint's before megatron reads any of it. Rank files load with ``weights
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -108,13 +109,16 @@ def _sharded_state(model, optimizer, is_loading: bool) -> dict:
 
 
 def _write(root: Path, iteration: int, sharded: dict, trainer: dict, meta_files: dict[str, str] | None,
-           rank_payload: dict | None = None, keep_last: int = 0) -> Path:
+           rank_payload: dict | None = None, keep_last: int = 0, saves=None) -> Path:
     """The atomic protocol every checkpoint uses: write into iter_X.tmp, wait for every rank,
-    then rank 0 adds the metadata, renames the directory and replaces ``latest``."""
+    then rank 0 adds the metadata, renames the directory and replaces ``latest``. ``saves``
+    (multimodal/async_saves.py): the tensors are copied to host memory here and written by a
+    background process; everything after (``_commit``) runs once every rank's write is done."""
     final = root / _iter_name(iteration)
     tmp = root / (final.name + ".tmp")
     rank = dist.get_rank()
     writer_errors = checks.WriterErrors()
+    need = checks.tensor_bytes(sharded) * dist.get_world_size()
     try:
         if rank == 0:
             if tmp.exists():
@@ -122,22 +126,47 @@ def _write(root: Path, iteration: int, sharded: dict, trainer: dict, meta_files:
             tmp.mkdir(parents=True)
         dist.barrier()
         with writer_errors:
-            dist_checkpointing.save(sharded, str(tmp))
-        if rank_payload is not None:
+            # "mcore": megatron's own writer process (its default, "nvrx", needs nvidia-resiliency-ext)
+            request = dist_checkpointing.save(sharded, str(tmp), async_sharded_save=saves is not None,
+                                              async_strategy="mcore")
+        if rank_payload is not None:  # small: written now, in this process
             (tmp / "rank_state").mkdir(exist_ok=True)
             torch.save(rank_payload, tmp / "rank_state" / f"rank{rank:05d}.pt")
-        dist.barrier()
-        if rank == 0:
+    except BaseException as e:  # torch's CheckpointException derives from BaseException
+        error = disk_full_or(e, root, tmp, need, writer_errors.messages)
+        if error is e:
+            raise
+        raise error from e
+    commit = functools.partial(_commit, root, tmp, final, trainer, meta_files, keep_last, need)
+    if saves is None:
+        commit()
+    else:
+        saves.submit(request, commit, root, tmp, need)
+    return final
+
+
+def disk_full_or(e: BaseException, root: Path, tmp: Path, need: int, logged=()) -> BaseException:
+    """A DiskFullError (partial files removed) when ``e`` is one, else ``e`` itself."""
+    if checks.is_disk_full(e, logged, checks.free_bytes(root), need):
+        return _disk_full(root, tmp, need)
+    return e
+
+
+def _commit(root: Path, tmp: Path, final: Path, trainer: dict, meta_files: dict[str, str] | None, keep_last: int,
+            need: int) -> None:
+    """Every rank wrote its files: record them, mark the directory complete, move ``latest``."""
+    dist.barrier()
+    if dist.get_rank() == 0:
+        try:
             for name, text in (meta_files or {}).items():
                 (tmp / name).write_text(text)
             checks.write_manifest(tmp)
             (tmp / "trainer_state.json").write_text(json.dumps(trainer))  # last: marks the dir complete
-    except BaseException as e:  # torch's CheckpointException derives from BaseException
-        need = checks.tensor_bytes(sharded) * dist.get_world_size()
-        if not checks.is_disk_full(e, writer_errors.messages, checks.free_bytes(root), need):
-            raise
-        raise _disk_full(root, tmp, need) from e
-    if rank == 0:
+        except BaseException as e:
+            error = disk_full_or(e, root, tmp, need)
+            if error is e:
+                raise
+            raise error from e
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -147,7 +176,6 @@ def _write(root: Path, iteration: int, sharded: dict, trainer: dict, meta_files:
         _prune(root, keep_last)
         log.info("saved checkpoint %s", final)
     dist.barrier()
-    return final
 
 
 def _disk_full(root: Path, tmp: Path, need: int) -> DiskFullError:
@@ -165,7 +193,7 @@ def _disk_full(root: Path, tmp: Path, need: int) -> DiskFullError:
 
 
 def save(ckpt_dir: str, iteration: int, model, optimizer, scheduler, data_state: dict, keep_last: int = 0,
-         meta_files: dict[str, str] | None = None) -> Path:
+         meta_files: dict[str, str] | None = None, saves=None) -> Path:
     """A training checkpoint. meta_files: small text files written beside the weights
     (model_config.json, hf_config.json) so export and later tools know the architecture."""
     # the trainer checks the weights before every save (multimodal/nonfinite.py): pruning keeps
@@ -173,7 +201,7 @@ def save(ckpt_dir: str, iteration: int, model, optimizer, scheduler, data_state:
     trainer = {"iteration": iteration, "scheduler": scheduler.state_dict(), "world_size": dist.get_world_size(),
                "finite": True}
     return _write(Path(ckpt_dir), iteration, _sharded_state(model, optimizer, is_loading=False), trainer,
-                  meta_files, {"rng": _rng_state(), "data": data_state}, keep_last)
+                  meta_files, {"rng": _rng_state(), "data": data_state}, keep_last, saves)
 
 
 def _prune(root: Path, keep_last: int) -> None:

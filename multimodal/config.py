@@ -261,6 +261,9 @@ class CheckpointConfig:
     load: str | None = None  # a checkpoint dir, or "latest" to resume from checkpoint.dir
     save_at_end: bool = True
     keep_last: int = 0  # 0 keeps all
+    # write checkpoints in a background process while training goes on (multimodal/async_saves.py);
+    # null: on for GPU runs, off on the CPU
+    async_save: bool | None = None
 
 
 @dataclass

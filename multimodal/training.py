@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import math
+import signal
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from multimodal.flops import device_peak_tflops, training_flops
 from multimodal.forward_step import ForwardStep
 from multimodal.loss import masked_token_loss
 from multimodal.memory import MemoryTools
+from multimodal.async_saves import AsyncSaves
 from multimodal.metrics import MetricsSink
 from multimodal.nonfinite import NonFiniteGuard, weights_finite
 from models.common import layer_graphs, wgrad_fusion
@@ -321,6 +323,10 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
     overlap = getattr(optimizer, "update_overlap", None)  # the step runs behind the next forward
     guard = NonFiniteGuard(optimizer, t.on_nonfinite, t.max_nonfinite_steps, rt.device)
     guard.last_good = last_good
+    use_async = ck.async_save if ck.async_save is not None else rt.is_cuda
+    saves = AsyncSaves() if ck.dir and use_async else None
+    if saves is not None:
+        saves.on_sigterm()
 
     def flush_log():
         nonlocal pending
@@ -330,6 +336,12 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
 
     try:
         for it in range(start + 1, t.iters + 1):
+            if saves is not None:
+                saves.poll()  # a save whose files are written becomes `latest` now
+                if saves.terminated:
+                    saves.wait()
+                    log.warning("SIGTERM: the checkpoint being written is complete; stopping before step %d", it)
+                    raise SystemExit(128 + signal.SIGTERM)
             profiler.begin(it)
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
@@ -382,7 +394,7 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
                                          f"last good checkpoint: {guard.last_good or 'none'}; lower optimizer.lr "
                                          "and resume from it")
                 saved = checkpointing.save(ck.dir, it, model, optimizer, scheduler, batches.state_dict(),
-                                           ck.keep_last, meta_files=checkpoint_meta(cfg))
+                                           ck.keep_last, meta_files=checkpoint_meta(cfg), saves=saves)
                 guard.last_good = str(saved)
             result.last_iteration = it
         flush_log()
@@ -402,6 +414,8 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
         raise
     finally:
         profiler.close()  # a run that stops inside the window still writes its profile
+        if saves is not None:
+            saves.close()  # the save in flight is completed (or reported) before the run ends
     sink.close()
     return result
 
