@@ -60,3 +60,36 @@ def test_kill_during_an_async_save_keeps_the_previous_latest(tmp_path):
                       "checkpoint.async_save=true")
     assert resumed.rc == 0, resumed.stderr[-3000:]
     assert [r["step"] for r in resumed.rows()] == [3]
+
+
+# the save at step 4 takes a few seconds in its writer process; SIGTERM arrives in step 5
+SLOW_WRITE_THEN_SIGTERM = """
+import functools, os, signal, time
+from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+real = fa._write_item
+@functools.wraps(real)
+def slow(*args, **kwargs):
+    stream = next(a for a in args if hasattr(a, "write"))
+    if "iter_0000004" in str(getattr(stream, "name", "")) and not getattr(slow, "slept", False):
+        slow.slept = True  # once per writer, not once per tensor
+        time.sleep(5)
+    return real(*args, **kwargs)
+fa._write_item = slow
+import multimodal.training as tr
+real_add = tr._Window.add
+def add(self, batches, model_cfg):
+    add.steps = getattr(add, "steps", 0) + 1
+    if add.steps == 5:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real_add(self, batches, model_cfg)
+tr._Window.add = add
+"""
+
+
+def test_sigterm_waits_for_the_save_in_flight(tmp_path):
+    ck = tmp_path / "ck"
+    run = run_cli(tmp_path, "train.iters=8", "checkpoint.interval=2", f"checkpoint.dir={ck}",
+                  "checkpoint.async_save=true", prelude=SLOW_WRITE_THEN_SIGTERM)
+    assert run.rc == 143, run.stderr[-3000:]
+    assert "SIGTERM: the checkpoint being written is complete; stopping before step 6" in run.stderr
+    assert (ck / "latest").read_text() == "iter_0000004" and manifest_problem(ck / "iter_0000004") is None
