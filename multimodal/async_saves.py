@@ -8,7 +8,8 @@ names a checkpoint still being written, and a kill -9 at any moment leaves the p
 
 - At most one save in flight: a new save first waits for the previous one.
 - ``poll()`` once per step finishes a save whose writes are done (megatron's AsyncCallsQueue: a
-  small all-reduce of "done" flags, no device sync).
+  small all-reduce of "done" flags, read on the host: one sync per step, only while a save is
+  in flight).
 - The end of training, an error and SIGTERM (Slurm's pre-emption signal) wait for the save in
   flight (``wait``); a SIGTERM then ends the run with exit code 143.
 - A full disk in the writer process is reported as on the synchronous path (partial files

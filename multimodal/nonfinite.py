@@ -44,6 +44,7 @@ class NonFiniteGuard:
         self.flag = torch.zeros((), dtype=torch.float32, device=device)  # this step: 1.0 = skipped
         self.norm = torch.zeros((), dtype=torch.float32, device=device)  # this step's grad norm
         self.counters = torch.zeros(COUNTERS, dtype=torch.float64, device=device)
+        self.step = torch.zeros((), dtype=torch.float64, device=device)  # filled, never copied from the host
         self.read_total = 0  # skipped steps already reported
         self.lrs: dict[int, float] = {}  # lr of the steps not yet reviewed (for the message)
         self.last_good: str | None = None  # the newest checkpoint known finite (loaded or saved)
@@ -106,7 +107,10 @@ class NonFiniteGuard:
         c[0] += f
         c[1] = (c[1] + 1) * f
         loss = step_report[0].double() / step_report[1].double().clamp_min(1)
-        first = torch.stack([torch.tensor(float(it), dtype=torch.float64, device=c.device), self.norm.double(), loss])
+        # fill_ passes the step as a kernel argument; torch.tensor(it, device=...) would be a
+        # blocking host-to-device copy, i.e. a sync every step
+        self.step.fill_(float(it))
+        first = torch.stack([self.step, self.norm.double(), loss])
         c[2:] = torch.where((c[1] == 1) & (f > 0), first, c[2:])
         return torch.where(self.flag > 0, torch.zeros_like(step_report), step_report)
 
