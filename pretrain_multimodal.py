@@ -4,6 +4,10 @@
     torchrun --nproc-per-node 8 pretrain_multimodal.py --config configs/qwen35_vl_2b.yaml
     python pretrain_multimodal.py --config configs/qwen35_vl_proxy.yaml --print-config
     python pretrain_multimodal.py --config configs/qwen35_vl_397b_a17b.yaml --dry-run [--world-size N]
+
+A fault the user can fix (a recipe field, a missing or truncated checkpoint, a full disk, bad
+data files, a diverged run) ends with one line ``error: ...`` and exit code 2; its traceback is
+in <logging.dir>/error.log (and on the console with --verbose). See docs/fault_tolerance.md.
 """
 
 from __future__ import annotations
@@ -12,8 +16,11 @@ import argparse
 import logging
 import os
 import sys
+import traceback
+from pathlib import Path
 
-from multimodal.config import ConfigError, config_to_yaml, load_config, resolve_sources, validate
+from multimodal.config import config_to_yaml, load_config, resolve_sources, validate
+from multimodal.errors import TrainingError, one_line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="--dry-run: GPUs to lay out (default: parallel.world_size of the recipe)")
     parser.add_argument("--gpu-mem-gib", type=float, default=80.0,
                         help="--dry-run: GiB per GPU to fit in (H100 80GB: 80; H200 141GB = 131 GiB)")
+    parser.add_argument("--verbose", action="store_true",
+                        help="print the full traceback of a reported error on the console too")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.iters=100 parallel.tp=2")
     args = parser.parse_intermixed_args(argv)  # overrides may come before or after the options
     rank = int(os.environ.get("RANK", "0"))
@@ -35,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     # megatron-core logs every parameter name and its full optimizer config at INFO.
     logging.getLogger("megatron").setLevel(logging.WARNING)
+    cfg = None
     try:
         cfg = resolve_sources(load_config(args.config, args.overrides))
         if args.dry_run:
@@ -42,20 +52,35 @@ def main(argv: list[str] | None = None) -> int:
 
             return dry_run(cfg, args.world_size, args.gpu_mem_gib, config_path=args.config)
         validate(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        print(config_to_yaml(cfg), end="")
-        return 0
-    from multimodal.training import train
+        if args.print_config:
+            print(config_to_yaml(cfg), end="")
+            return 0
+        from multimodal.training import train
 
-    try:
         train(cfg)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+    except TrainingError as e:
+        return report(e, rank, cfg.logging.dir if cfg is not None else None, args.verbose)
     return 0
+
+
+def report(e: TrainingError, rank: int, log_dir: str | None, verbose: bool) -> int:
+    """One line on the console; the traceback in <logging.dir>/error.log (or here with --verbose)."""
+    trace = "".join(traceback.format_exception(e))
+    saved = None
+    if log_dir is not None:
+        try:
+            path = Path(log_dir) / ("error.log" if rank == 0 else f"error_rank{rank}.log")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a") as f:
+                f.write(trace)
+            saved = path
+        except OSError:  # a full disk must not hide the message itself
+            saved = None
+    if verbose:
+        print(trace, file=sys.stderr, end="")
+    where = f" (traceback: {saved})" if saved is not None and not verbose else ""
+    print(f"error: {one_line(e)}{where}", file=sys.stderr)
+    return e.exit_code
 
 
 if __name__ == "__main__":

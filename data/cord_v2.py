@@ -8,7 +8,8 @@ joined by ``<sep/>``). The output dict is the one ``data.mock.MockDataset`` yiel
 collators and the model need nothing CORD-specific.
 
 Real data is messy, and one bad row must not stop a long run: a row whose image does not
-decode, whose JSON does not parse, that lacks a field or has an empty answer is *skipped*:
+decode, whose text is not UTF-8, whose cell has the wrong type, whose JSON does not parse, that
+lacks a field, has an empty answer or fails in any other way is *skipped*:
 ``__getitem__`` returns ``None``, counts the reason in ``self.skipped`` and logs a warning
 with the index. A sample longer than ``seq_length`` is cut at the end (``self.truncated``),
 never inside the image; if even the image does not fit, or nothing of the answer is left,
@@ -30,6 +31,7 @@ import torch
 
 from data.chat import encode_conversation, special_token_ids
 from data.image import CHECKPOINT_MAX_PIXELS, CHECKPOINT_MIN_PIXELS, image_patches, open_image, smart_resize  # noqa: F401 (re-exported)
+from multimodal.errors import DataError, one_line  # (a leaf module: imports nothing of the project)
 from models.qwen35_vl.mrope import mrope_position_ids
 
 log = logging.getLogger(__name__)
@@ -55,19 +57,48 @@ def donut_tokens(obj) -> str:
     return str(obj)
 
 
+COLUMNS = ("image", "ground_truth")
+
+
+def _check_columns(f: Path, names: list[str]) -> None:
+    missing = [c for c in COLUMNS if c not in names]
+    if missing:
+        raise DataError(f"{f}: missing column(s) {', '.join(missing)} (found: {', '.join(names) or 'none'}); "
+                        "a CORD-v2 file needs image (struct with bytes) and ground_truth (JSON text)")
+
+
+def _read_parquet(f: Path):
+    import pyarrow.parquet as pq
+
+    try:
+        names = pq.read_schema(f).names
+    except Exception as e:  # noqa: BLE001 - pyarrow's ArrowInvalid / OSError for a damaged file
+        raise DataError(f"{f}: not a readable parquet file ({one_line(e)})") from None
+    _check_columns(f, names)
+    try:
+        return pq.read_table(f, columns=list(COLUMNS))
+    except Exception as e:  # noqa: BLE001
+        raise DataError(f"{f}: reading columns {', '.join(COLUMNS)} failed ({one_line(e)})") from None
+
+
 def _read_split(path: Path, split: str):
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     files = sorted(path.glob(f"{split}-*.parquet")) or sorted(path.glob(f"data/{split}-*.parquet"))
     if files:
-        return pa.concat_tables([pq.read_table(f, columns=["image", "ground_truth"]) for f in files]), files
+        tables = [_read_parquet(f) for f in files]
+        try:
+            return pa.concat_tables(tables), files
+        except Exception as e:  # noqa: BLE001 - column types differ between files
+            raise DataError(f"the {split} files under {path} do not share one schema ({one_line(e)})") from None
     files = sorted((path / split).glob("data-*.arrow"))  # datasets.save_to_disk
     if files:
         tables = []
         for f in files:
             with pa.memory_map(str(f)) as src:
-                tables.append(pa.ipc.open_stream(src).read_all().select(["image", "ground_truth"]))
+                table = pa.ipc.open_stream(src).read_all()
+            _check_columns(f, table.column_names)
+            tables.append(table.select(list(COLUMNS)))
         return pa.concat_tables(tables), files
     raise FileNotFoundError(
         f"no CORD-v2 files for split {split!r} under {path}: expected {split}-*.parquet, "
@@ -116,9 +147,23 @@ class CordV2Dataset(torch.utils.data.Dataset):
 
     # ------------------------------------------------------------------ pieces
 
+    def _cell(self, column: str, index: int):
+        """One cell as Python; text that is not UTF-8 is a bad row, not a crash."""
+        try:
+            return self.table.column(column)[index].as_py()
+        except UnicodeDecodeError as e:
+            raise SkipSample("bad_text", f"{column} is not UTF-8 text ({e})") from None
+
     def _answer(self, raw) -> str:
-        if not isinstance(raw, str):
+        if raw is None:
             raise SkipSample("missing_field", "ground_truth is missing")
+        if isinstance(raw, (bytes, bytearray)):  # a binary column holding the JSON text
+            try:
+                raw = bytes(raw).decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise SkipSample("bad_text", f"ground_truth is not UTF-8 text ({e})") from None
+        if not isinstance(raw, str):
+            raise SkipSample("wrong_type", f"ground_truth is a {type(raw).__name__}, not JSON text")
         try:
             gt = json.loads(raw)
         except json.JSONDecodeError as e:
@@ -134,9 +179,13 @@ class CordV2Dataset(torch.utils.data.Dataset):
         return text
 
     def _image(self, cell) -> tuple[torch.Tensor, torch.Tensor]:
+        if cell is not None and not isinstance(cell, dict):
+            raise SkipSample("wrong_type", f"image is a {type(cell).__name__}, not a struct with bytes")
         data = cell.get("bytes") if isinstance(cell, dict) else None
         if not data:
             raise SkipSample("missing_field", "image bytes are missing")
+        if not isinstance(data, (bytes, bytearray)):
+            raise SkipSample("wrong_type", f"image bytes are a {type(data).__name__}")
         try:
             img = open_image(data)
             smart_resize(img.height, img.width, self.factor, self.min_pixels, self.max_pixels)  # aspect check
@@ -152,13 +201,16 @@ class CordV2Dataset(torch.utils.data.Dataset):
         try:
             return self._sample(index)
         except SkipSample as e:
-            self.skipped[e.reason] += 1
-            log.warning("cord_v2 %s sample %d skipped (%s): %s", self.split, index, e.reason, e)
-            return None
+            reason, detail = e.reason, str(e)
+        except Exception as e:  # noqa: BLE001 - any other per-row failure: skipped and counted, never fatal
+            reason, detail = f"error_{type(e).__name__}", one_line(e)
+        self.skipped[reason] += 1
+        log.warning("cord_v2 %s sample %d skipped (%s): %s", self.split, index, reason, detail)
+        return None
 
     def _sample(self, index: int) -> dict:
-        answer = self._answer(self.table.column("ground_truth")[index].as_py())
-        pixel_values, grid = self._image(self.table.column("image")[index].as_py())
+        answer = self._answer(self._cell("ground_truth", index))
+        pixel_values, grid = self._image(self._cell("image", index))
         n_image = int(grid.prod()) // self.merge**2
         messages = [
             {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": self.prompt}]},

@@ -16,6 +16,7 @@ import itertools
 import torch
 
 from data.collate import pack_thd, pad_bshd, padded_length
+from multimodal.errors import DataError  # (a leaf module: imports nothing of the project)
 
 MIN_SAMPLES_FOR_BAD_CHECK = 20  # judge the bad-row fraction only once it means something
 
@@ -173,7 +174,7 @@ class MicroBatchIterator:
             self.bad += 1
             if self.seen >= MIN_SAMPLES_FOR_BAD_CHECK and self.bad > self.max_bad_fraction * self.seen:
                 reasons = dict(getattr(self.dataset, "skipped", {}))
-                raise RuntimeError(
+                raise DataError(
                     f"{self.bad} of {self.seen} samples read by data-parallel rank {self.dp_rank} were unusable "
                     f"({reasons}), more than data.max_bad_fraction={self.max_bad_fraction}; fix the data or "
                     "raise data.max_bad_fraction")
@@ -222,6 +223,11 @@ class MicroBatchIterator:
             used += self._size(self._peek())
             row.append(self._take())
         return pack_thd(row, *args, pad_multiple=self.pad_multiple)
+
+    def summary(self) -> dict:
+        """Rows read and skipped on this rank, with the dataset's skip reasons (for the logs)."""
+        reasons = dict(getattr(self.dataset, "skipped", {}) or {})
+        return {"rows_read": self.seen, "rows_skipped": self.bad, "skipped_by_reason": reasons}
 
     def state_dict(self) -> dict:
         """The global (unwrapped, so epochs are visible) index of this rank's next unread sample,

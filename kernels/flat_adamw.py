@@ -24,6 +24,11 @@ Update (decoupled weight decay, as torch.optim.AdamW and its fused kernel):
     p = p - (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps),   bc_i = 1 - beta_i ** step
 The bias corrections are computed on the host from the step count (a Python int), so the step
 reads nothing back from the device.
+
+``skip`` (optional one-element device tensor, torch's ``found_inf`` convention): where it is
+nonzero the parameters, moments and output are left as they are (a step with a non-finite
+gradient norm, multimodal/nonfinite.py); gradients are still zeroed when asked, so the next
+step does not accumulate onto them. Decided on the device, so a skipped step costs no sync.
 """
 
 from __future__ import annotations
@@ -70,18 +75,24 @@ if triton is not None:
 
     @triton.jit
     def _flat_adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, starts_ptr, state_starts_ptr, lengths_ptr, scale_ptr,
-                           lr, wd, beta1, beta2, eps, step_size, bc2_sqrt,
-                           HAS_SCALE: tl.constexpr, WRITE_OUT: tl.constexpr, ZERO_GRAD: tl.constexpr,
-                           BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+                           skip_ptr, lr, wd, beta1, beta2, eps, step_size, bc2_sqrt,
+                           HAS_SCALE: tl.constexpr, HAS_SKIP: tl.constexpr, WRITE_OUT: tl.constexpr,
+                           ZERO_GRAD: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
         pid = tl.program_id(0)
         start = tl.load(starts_ptr + pid)  # gradient and output
         state_start = tl.load(state_starts_ptr + pid)  # parameter and moments
         n = tl.load(lengths_ptr + pid)
         if HAS_SCALE:
             grad_scale = tl.load(scale_ptr)
+        if HAS_SKIP:
+            skip = tl.load(skip_ptr)
         for off in tl.static_range(0, CHUNK, BLOCK):
             idx = off + tl.arange(0, BLOCK)
             mask = idx < n
+            if HAS_SKIP:  # a skipped step leaves p, m, v and the output as they are
+                write = mask & (tl.zeros([BLOCK], dtype=tl.float32) + skip == 0.0)
+            else:
+                write = mask
             ptr = start + idx
             sp = state_start + idx
             p = tl.load(p_ptr + sp, mask=mask, other=0.0)
@@ -97,17 +108,17 @@ if triton is not None:
             v = beta2 * v + (1.0 - beta2) * g * g
             denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
             p = p - tl.div_rn(step_size * m, denom)
-            tl.store(p_ptr + sp, p, mask=mask)
-            tl.store(m_ptr + sp, m, mask=mask)
-            tl.store(v_ptr + sp, v, mask=mask)
+            tl.store(p_ptr + sp, p, mask=write)
+            tl.store(m_ptr + sp, m, mask=write)
+            tl.store(v_ptr + sp, v, mask=write)
             if WRITE_OUT:
-                tl.store(out_ptr + ptr, p.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.store(out_ptr + ptr, p.to(out_ptr.dtype.element_ty), mask=write)
             if ZERO_GRAD:  # the next step accumulates into it (replaces the separate zeroing pass)
                 tl.store(g_ptr + ptr, tl.zeros([BLOCK], dtype=g_ptr.dtype.element_ty), mask=mask)
 
 
 def flat_adamw_reference(param, grad, exp_avg, exp_avg_sq, out, starts, state_starts, lengths, *, lr,
-                         weight_decay, beta1, beta2, eps, step, grad_scale=None, zero_grad=False):
+                         weight_decay, beta1, beta2, eps, step, grad_scale=None, zero_grad=False, skip=None):
     """The same update in plain PyTorch, chunk by chunk (CPU tests and the kernel's check)."""
     step_size, bc2_sqrt = _scalars(lr, beta1, beta2, step)
     for start, state_start, n in zip(starts.tolist(), state_starts.tolist(), lengths.tolist()):
@@ -116,18 +127,27 @@ def flat_adamw_reference(param, grad, exp_avg, exp_avg_sq, out, starts, state_st
         g = grad[sl].float()
         if grad_scale is not None:
             g = g / grad_scale
-        p.sub_(lr * weight_decay * p)
-        m.mul_(beta1).add_((1.0 - beta1) * g)
-        v.mul_(beta2).add_((1.0 - beta2) * g * g)
-        p.sub_(step_size * m / (v.sqrt() / bc2_sqrt + eps))
+        new_p = p - lr * weight_decay * p
+        new_m = beta1 * m + (1.0 - beta1) * g
+        new_v = beta2 * v + (1.0 - beta2) * g * g
+        new_p = new_p - step_size * new_m / (new_v.sqrt() / bc2_sqrt + eps)
+        new_out = new_p
+        if skip is not None:  # chosen on the device, as the kernel does: no host read of the flag
+            keep = skip.reshape(()) != 0
+            new_p, new_m, new_v = (torch.where(keep, old, new) for old, new in ((p, new_p), (m, new_m), (v, new_v)))
+            if out is not None:
+                new_out = torch.where(keep, out[sl], new_p.to(out.dtype))
+        p.copy_(new_p)
+        m.copy_(new_m)
+        v.copy_(new_v)
         if out is not None:
-            out[sl].copy_(p)
+            out[sl].copy_(new_out)
         if zero_grad:
             grad[sl].zero_()
 
 
 def flat_adamw(param, grad, exp_avg, exp_avg_sq, out, starts, state_starts, lengths, *, lr, weight_decay, beta1, beta2,
-               eps, step, grad_scale=None, zero_grad: bool = False, use_kernel: bool = True, block: int = BLOCK,
+               eps, step, grad_scale=None, zero_grad: bool = False, skip=None, use_kernel: bool = True, block: int = BLOCK,
                chunk: int = CHUNK, num_warps: int = 8):
     """One AdamW step over the chunks of ``chunk_table``: the flat fp32 ``param``, ``exp_avg``,
     ``exp_avg_sq`` (updated in place, at ``state_starts``) with gradients ``grad`` (fp32 or bf16,
@@ -141,7 +161,7 @@ def flat_adamw(param, grad, exp_avg, exp_avg_sq, out, starts, state_starts, leng
     if not use_kernel:
         return flat_adamw_reference(param, grad, exp_avg, exp_avg_sq, out, starts, state_starts, lengths, lr=lr,
                                     weight_decay=weight_decay, beta1=beta1, beta2=beta2, eps=eps, step=step,
-                                    grad_scale=grad_scale, zero_grad=zero_grad)
+                                    grad_scale=grad_scale, zero_grad=zero_grad, skip=skip)
     for t in (param, exp_avg, exp_avg_sq):
         if t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError("flat_adamw: param, exp_avg and exp_avg_sq must be contiguous fp32 buffers")
@@ -150,6 +170,6 @@ def flat_adamw(param, grad, exp_avg, exp_avg_sq, out, starts, state_starts, leng
         return
     _flat_adamw_kernel[(starts.numel(),)](
         param, grad, exp_avg, exp_avg_sq, out if out is not None else param, starts, state_starts, lengths,
-        grad_scale if grad_scale is not None else param,
+        grad_scale if grad_scale is not None else param, skip if skip is not None else param,
         float(lr), float(weight_decay), float(beta1), float(beta2), float(eps), float(step_size), float(bc2_sqrt),
-        HAS_SCALE=grad_scale is not None, WRITE_OUT=out is not None, ZERO_GRAD=zero_grad, BLOCK=block, CHUNK=chunk, num_warps=num_warps)
+        HAS_SCALE=grad_scale is not None, HAS_SKIP=skip is not None, WRITE_OUT=out is not None, ZERO_GRAD=zero_grad, BLOCK=block, CHUNK=chunk, num_warps=num_warps)

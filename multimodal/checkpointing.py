@@ -8,12 +8,18 @@ Layout of ``checkpoint.dir``::
     latest                         name of the newest complete checkpoint
 
 Atomicity: everything is written into ``iter_XXXXXXX.tmp``; after every rank finished,
-rank 0 renames it and then replaces ``latest`` (write + rename). A crash mid-save leaves a
-``.tmp`` directory that is never loaded, and the previous checkpoint stays intact.
+rank 0 records every file's size in ``manifest.json``, writes ``trainer_state.json``, renames the
+directory and then replaces ``latest`` (write + rename). A crash mid-save leaves a ``.tmp``
+directory that is never loaded, and the previous checkpoint stays intact; a full disk removes it.
+
+Loading checks the manifest first (multimodal/checkpoint_checks.py), so a truncated or missing
+file is named with the previous complete checkpoint, and compares the model's tensor shapes with
+the checkpoint's before megatron reads any of it. Rank files load with ``weights_only=True``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -27,6 +33,8 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 
 from models.common.lora import is_adapter_param
+from multimodal import checkpoint_checks as checks
+from multimodal.errors import CheckpointError, DiskFullError, IncompleteCheckpoint, one_line
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +44,12 @@ def _iter_name(iteration: int) -> str:
 
 
 def _rng_state() -> dict:
+    """Plain types and tensors only, so ``torch.load(weights_only=True)`` reads it back."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
         "torch": torch.get_rng_state(),
         "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
     }
@@ -48,12 +59,39 @@ def _rng_state() -> dict:
 
 
 def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    random.setstate(_as_tuples(state["python"]))
+    n = state["numpy"]
+    if isinstance(n, dict):
+        np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                             n["cached_gaussian"]))
+    else:  # written before the plain form: numpy's own tuple
+        np.random.set_state(n)
     torch.set_rng_state(state["torch"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
     if torch.cuda.is_available() and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"])
+
+
+def _as_tuples(x):
+    """random.setstate wants tuples; a weights_only load may give lists back."""
+    return tuple(_as_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def _load_rank_file(path: Path) -> dict:
+    """A rank's RNG and data state without running pickled code: ``weights_only=True``, with the
+    numpy types older checkpoints stored their RNG state in allowed explicitly."""
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy 1
+        from numpy.core.multiarray import _reconstruct
+    # the name a pickle refers to depends on the numpy that wrote it
+    safe = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), (_reconstruct, "numpy.core.multiarray._reconstruct"),
+            (_reconstruct, "numpy._core.multiarray._reconstruct")]
+    try:
+        with torch.serialization.safe_globals(safe):
+            return torch.load(path, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - truncated, corrupt, or not ours: all named the same way
+        raise checks.corrupt(path.parent.parent, f"{path} does not load ({one_line(e)})") from e
 
 
 # megatron's distributed optimizer defaults to its "fully_sharded_model_space" layout, whose
@@ -72,26 +110,64 @@ def _sharded_state(model, optimizer, is_loading: bool) -> dict:
 
 
 def _write(root: Path, iteration: int, sharded: dict, trainer: dict, meta_files: dict[str, str] | None,
-           rank_payload: dict | None = None, keep_last: int = 0) -> Path:
+           rank_payload: dict | None = None, keep_last: int = 0, saves=None) -> Path:
     """The atomic protocol every checkpoint uses: write into iter_X.tmp, wait for every rank,
-    then rank 0 adds the metadata, renames the directory and replaces ``latest``."""
+    then rank 0 adds the metadata, renames the directory and replaces ``latest``. ``saves``
+    (multimodal/async_saves.py): the tensors are copied to host memory here and written by a
+    background process; everything after (``_commit``) runs once every rank's write is done."""
     final = root / _iter_name(iteration)
     tmp = root / (final.name + ".tmp")
     rank = dist.get_rank()
-    if rank == 0:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
+    writer_errors = checks.WriterErrors()
+    need = checks.tensor_bytes(sharded) * dist.get_world_size()
+    try:
+        if rank == 0:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        with writer_errors:
+            # "mcore": megatron's own writer process (its default, "nvrx", needs nvidia-resiliency-ext)
+            request = dist_checkpointing.save(sharded, str(tmp), async_sharded_save=saves is not None,
+                                              async_strategy="mcore")
+        if rank_payload is not None:  # small: written now, in this process
+            (tmp / "rank_state").mkdir(exist_ok=True)
+            torch.save(rank_payload, tmp / "rank_state" / f"rank{rank:05d}.pt")
+    except BaseException as e:  # torch's CheckpointException derives from BaseException
+        error = disk_full_or(e, root, tmp, need, writer_errors.messages)
+        if error is e:
+            raise
+        raise error from e
+    commit = functools.partial(_commit, root, tmp, final, trainer, meta_files, keep_last, need)
+    if saves is None:
+        commit()
+    else:
+        saves.submit(request, commit, root, tmp, need)
+    return final
+
+
+def disk_full_or(e: BaseException, root: Path, tmp: Path, need: int, logged=()) -> BaseException:
+    """A DiskFullError (partial files removed) when ``e`` is one, else ``e`` itself."""
+    if checks.is_disk_full(e, logged, checks.free_bytes(root), need):
+        return _disk_full(root, tmp, need)
+    return e
+
+
+def _commit(root: Path, tmp: Path, final: Path, trainer: dict, meta_files: dict[str, str] | None, keep_last: int,
+            need: int) -> None:
+    """Every rank wrote its files: record them, mark the directory complete, move ``latest``."""
     dist.barrier()
-    dist_checkpointing.save(sharded, str(tmp))
-    if rank_payload is not None:
-        (tmp / "rank_state").mkdir(exist_ok=True)
-        torch.save(rank_payload, tmp / "rank_state" / f"rank{rank:05d}.pt")
-    dist.barrier()
-    if rank == 0:
-        for name, text in (meta_files or {}).items():
-            (tmp / name).write_text(text)
-        (tmp / "trainer_state.json").write_text(json.dumps(trainer))  # last: marks the dir complete
+    if dist.get_rank() == 0:
+        try:
+            for name, text in (meta_files or {}).items():
+                (tmp / name).write_text(text)
+            checks.write_manifest(tmp)
+            (tmp / "trainer_state.json").write_text(json.dumps(trainer))  # last: marks the dir complete
+        except BaseException as e:
+            error = disk_full_or(e, root, tmp, need)
+            if error is e:
+                raise
+            raise error from e
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -101,39 +177,73 @@ def _write(root: Path, iteration: int, sharded: dict, trainer: dict, meta_files:
         _prune(root, keep_last)
         log.info("saved checkpoint %s", final)
     dist.barrier()
-    return final
+
+
+def _disk_full(root: Path, tmp: Path, need: int) -> DiskFullError:
+    """Remove the partial checkpoint and say how much room a save needs."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    (root / "latest.tmp").unlink(missing_ok=True)
+    free_now = checks.free_bytes(root)
+    free = f", {free_now / 2**20:.1f} MiB free" if free_now is not None else ""
+    marker = root / "latest"
+    kept = (f"the previous checkpoint {marker.read_text().strip()} is intact" if marker.is_file()
+            else "no earlier checkpoint exists")
+    return DiskFullError(f"no space left on device writing checkpoint {tmp.name[:-4]} under {root} (about "
+                         f"{need / 2**20:.1f} MiB needed{free}); the partial files were removed and {kept}; "
+                         "free space there, point checkpoint.dir elsewhere or set checkpoint.keep_last")
 
 
 def save(ckpt_dir: str, iteration: int, model, optimizer, scheduler, data_state: dict, keep_last: int = 0,
-         meta_files: dict[str, str] | None = None) -> Path:
+         meta_files: dict[str, str] | None = None, saves=None) -> Path:
     """A training checkpoint. meta_files: small text files written beside the weights
     (model_config.json, hf_config.json) so export and later tools know the architecture."""
-    trainer = {"iteration": iteration, "scheduler": scheduler.state_dict(), "world_size": dist.get_world_size()}
+    # the trainer checks the weights before every save (multimodal/nonfinite.py): pruning keeps
+    # the newest checkpoint marked so
+    trainer = {"iteration": iteration, "scheduler": scheduler.state_dict(), "world_size": dist.get_world_size(),
+               "finite": True}
     return _write(Path(ckpt_dir), iteration, _sharded_state(model, optimizer, is_loading=False), trainer,
-                  meta_files, {"rng": _rng_state(), "data": data_state}, keep_last)
+                  meta_files, {"rng": _rng_state(), "data": data_state}, keep_last, saves)
 
 
 def _prune(root: Path, keep_last: int) -> None:
+    """Keep the newest ``keep_last`` checkpoints, and always the newest one whose weights were
+    checked finite when it was written (older checkpoints carry no such mark)."""
     if keep_last <= 0:
         return
     done = sorted(p for p in root.glob("iter_*") if p.is_dir() and not p.name.endswith(".tmp"))
-    for old in done[:-keep_last]:
-        shutil.rmtree(old)
+    finite = [p for p in done if _trainer_state(p).get("finite")]
+    keep = set(done[-keep_last:]) | set(finite[-1:])
+    for old in done:
+        if old not in keep:
+            shutil.rmtree(old)
+
+
+def _trainer_state(path: Path) -> dict:
+    try:
+        return json.loads((path / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def resolve(load: str, ckpt_dir: str | None) -> Path | None:
-    """Path of the checkpoint to load, or None when 'latest' finds nothing (fresh start)."""
+    """Path of the checkpoint to load, or None when 'latest' finds nothing (fresh start, said in one
+    line). An explicit path that is not a complete checkpoint is refused (before anything is built)."""
     if load == "latest":
         marker = Path(ckpt_dir) / "latest"
         if not marker.is_file():
+            why = "the folder does not exist" if not Path(ckpt_dir).is_dir() else "it has no 'latest' file"
+            log.info("checkpoint.load=latest: no checkpoint in %s (%s); starting from step 0", ckpt_dir, why)
             return None
         path = Path(ckpt_dir) / marker.read_text().strip()
     else:
         path = Path(load)
+        if not path.exists():
+            raise IncompleteCheckpoint(f"checkpoint.load={load}: no such file or directory; point it at an "
+                                  "iter_XXXXXXX directory, a checkpoint.dir, or use checkpoint.load=latest")
         if (path / "latest").is_file():  # a checkpoint.dir was given: take its newest
             path = path / (path / "latest").read_text().strip()
     if not (path / "trainer_state.json").is_file():
-        raise FileNotFoundError(
+        raise IncompleteCheckpoint(
             f"{path} is not a complete checkpoint (no trainer_state.json); "
             "point checkpoint.load at an iter_XXXXXXX directory or a checkpoint.dir with a 'latest' file"
         )
@@ -227,16 +337,46 @@ def _restore_steps(optimizer) -> None:
                 adam.state[p]["step"] = _step_tensor(step, group, p)
 
 
-def load(path: Path, model, optimizer, scheduler) -> tuple[int, dict | None]:
-    """Restore model, optimizer, scheduler and this rank's RNG; returns (iteration, data_state).
-    A weights-only checkpoint restores the model and starts at iteration 0."""
+def check_loadable(path: Path, model, model_config: dict | None = None) -> dict:
+    """Every file complete and the model's shapes those of the checkpoint; returns trainer_state.
+    Raises CheckpointError naming the file (and the previous complete checkpoint) or the tensors."""
+    problem = checks.manifest_problem(path)
+    if problem is not None:
+        raise checks.corrupt(path, problem)
     trainer = json.loads((path / "trainer_state.json").read_text())
+    try:
+        stored = checks.stored_shapes(path)
+    except Exception as e:  # noqa: BLE001 - a damaged .metadata in a checkpoint without a manifest
+        raise checks.corrupt(path, f"{path / '.metadata'} does not load ({one_line(e)})") from e
+    mismatch = checks.shape_mismatch(path, checks.expected_shapes({"model": model.sharded_state_dict()}), stored,
+                                     model_config)
+    if mismatch is not None:
+        raise mismatch
+    return trainer
+
+
+def _read(path: Path, what: str, fn):
+    """megatron's load, any failure named with the checkpoint and the previous complete one."""
+    try:
+        return fn()
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise checks.corrupt(path, f"reading {what} failed ({type(e).__name__}: {one_line(e)[:300]})") from e
+
+
+def load(path: Path, model, optimizer, scheduler, model_config: dict | None = None) -> tuple[int, dict | None]:
+    """Restore model, optimizer, scheduler and this rank's RNG; returns (iteration, data_state).
+    A weights-only checkpoint restores the model and starts at iteration 0. ``model_config``: this
+    run's model fields, named in the message when the checkpoint's differ."""
+    trainer = check_loadable(path, model, model_config)
     if trainer.get("weights_only"):
-        load_weights(path, model)
+        _read(path, "the weights", lambda: load_weights(path, model))
         log.info("loaded weights from %s (weights-only checkpoint: optimizer and step start fresh)", path)
         return 0, None
     _prime_distributed_optimizer_state(optimizer)
-    state = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(path))
+    state = _read(path, "the model and optimizer tensors",
+                  lambda: dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(path)))
     model.load_state_dict(state["model"])
     with torch.no_grad():  # the distributed optimizer copies into fp32 shards that are views of parameters
         optimizer.load_state_dict(state["optimizer"])
@@ -245,7 +385,7 @@ def load(path: Path, model, optimizer, scheduler) -> tuple[int, dict | None]:
     rank_file = path / "rank_state" / f"rank{dist.get_rank():05d}.pt"
     data_state = None
     if rank_file.is_file() and trainer.get("world_size") == dist.get_world_size():
-        rank_state = torch.load(rank_file, weights_only=False)
+        rank_state = _load_rank_file(rank_file)
         _set_rng_state(rank_state["rng"])
         data_state = rank_state["data"]
     else:

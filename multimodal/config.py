@@ -17,9 +17,7 @@ from typing import Any
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A recipe problem; the message names the field and the fix."""
+from multimodal.errors import ConfigError  # noqa: F401 - re-exported: callers import it from here
 
 
 @dataclass
@@ -245,6 +243,12 @@ class TrainConfig:
     # grad_added_to_main_grad convention), instead of returning static gradients that autograd
     # copies and DDP's hook then adds in one launch per parameter. false: the old path.
     cuda_graph_grads_to_main_grad: bool = True
+    # A step whose gradient norm is not finite (NaN/inf loss or gradients) never updates the
+    # weights: the optimizer's kernels skip it on the device, no host sync (multimodal/nonfinite.py).
+    # skip: count it and go on, stop after max_nonfinite_steps in a row; stop: stop at the first.
+    # Either is noticed at the next log step (logging.interval) or checkpoint.
+    on_nonfinite: str = "skip"
+    max_nonfinite_steps: int = 10
 
 
 @dataclass
@@ -285,6 +289,9 @@ class CheckpointConfig:
     load: str | None = None  # a checkpoint dir, or "latest" to resume from checkpoint.dir
     save_at_end: bool = True
     keep_last: int = 0  # 0 keeps all
+    # write checkpoints in a background process while training goes on (multimodal/async_saves.py);
+    # null: on for GPU runs, off on the CPU
+    async_save: bool | None = None
 
 
 @dataclass
@@ -294,7 +301,8 @@ class LoggingConfig:
     tensorboard: bool = True
     wandb: bool = False
     wandb_project: str = "qwen35-vl"
-    wandb_mode: str = "offline"
+    # offline | online | disabled; null: the WANDB_MODE environment variable, else offline
+    wandb_mode: str | None = None
     progress_bar: bool = True
     peak_tflops: float | None = None  # per device; default from the device name (H100/H200: 989)
     # CUDA allocator history from start-up, dumped to <dir>/memory_snapshot.pickle after step
@@ -336,15 +344,27 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {p} does not exist")
-        raw = yaml.safe_load(p.read_text()) or {}
+        raw = _parse_yaml(p.read_text(), str(p)) or {}
         if not isinstance(raw, dict):
             raise ConfigError(f"{p}: top level must be a mapping of sections")
     for item in overrides or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like section.key=value")
-        _set_dotted(raw, key.strip(), yaml.safe_load(value) if value.strip() else None)
+        _set_dotted(raw, key.strip(), _parse_yaml(value, f"override {item!r}") if value.strip() else None)
     return _build(Config, raw, "")
+
+
+def _parse_yaml(text: str, where: str):
+    """PyYAML, with its error as ``where:line:column: problem`` (its own message spans many lines
+    and names the stream ``<unicode string>``)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        problem = getattr(e, "problem", None) or getattr(e, "context", None) or str(e)
+        at = f"{where}:{mark.line + 1}:{mark.column + 1}" if mark is not None else where
+        raise ConfigError(f"{at}: invalid YAML: {' '.join(str(problem).split())}") from None
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -496,7 +516,14 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _require(d.pack_lookahead >= 0, "data.pack_lookahead must be >= 0 (0 packs samples strictly in order)")
     _require(o.lr_decay_style in ("cosine", "linear", "constant"),
              f"optimizer.lr_decay_style must be cosine|linear|constant, got {o.lr_decay_style!r}")
+    # each bound on its own first: a negative lr is reported as such, not as a min_lr problem
+    _require(o.lr > 0, f"optimizer.lr must be > 0, got {o.lr}")
+    _require(o.min_lr >= 0, f"optimizer.min_lr must be >= 0, got {o.min_lr}")
     _require(o.min_lr <= o.lr, f"optimizer.min_lr ({o.min_lr}) must be <= optimizer.lr ({o.lr})")
+    _require(t.on_nonfinite in ("skip", "stop"), f"train.on_nonfinite must be skip|stop, got {t.on_nonfinite!r}")
+    _require(t.max_nonfinite_steps >= 1, f"train.max_nonfinite_steps must be >= 1, got {t.max_nonfinite_steps}")
+    _require(cfg.logging.wandb_mode in (None, "offline", "online", "disabled"),
+             f"logging.wandb_mode must be offline|online|disabled or null, got {cfg.logging.wandb_mode!r}")
     _require(not (o.overlap_step and o.flat is False),
              "optimizer.overlap_step=true runs flat AdamW's kernel on a second stream: set optimizer.flat to "
              "true or null, or optimizer.overlap_step to false or null")

@@ -30,6 +30,9 @@ State stays torch's format (per-parameter ``step``, ``exp_avg``, ``exp_avg_sq``)
 move freely between runs with and without it. The step count is also kept as a Python int, so
 the bias corrections need no device read.
 
+A step with a non-finite gradient norm (the optimizer's ``found_inf``, multimodal/nonfinite.py)
+is skipped by the kernel on the device; the host step count is corrected when that is read.
+
 Not covered (``install`` logs why and torch's fused AdamW runs as before): megatron FSDP, the
 precision-aware optimizer, quantized parameters, Adam with L2 decay, amsgrad, maximize,
 capturable, gradients not reduced in fp32, a parameter outside the DDP buffers.
@@ -87,6 +90,7 @@ class FlatAdamW:
         self.sharded = sharded
         self.overlap = None  # multimodal/overlap_update.py: the step runs behind the next forward
         self.model_params_fresh = False
+        self.skip = None  # the found_inf flag of the step being taken (see step)
         device = params[0].main.device
         self.count = 0
         self.step_tensor = torch.tensor(0.0, dtype=torch.float32, device=device)
@@ -162,6 +166,13 @@ class FlatAdamW:
             if self.adam.state.get(main):
                 self.adam.state[main]["step"] = self.step_tensor
 
+    def uncount(self, skipped: int) -> None:
+        """Take back steps the kernel skipped on the device (non-finite gradients): the host count
+        only learns of them when the guard reads its counters (log steps, saves), so the bias
+        corrections of the steps in between run that many steps ahead."""
+        if skipped:
+            self.set_step(self.count - skipped)
+
     def _rebind_after_load(self) -> None:
         """torch's load_state_dict installed freshly allocated moments: copy them into the flat ones."""
         if not any(self.adam.state.get(main) for main, *_ in self.views):
@@ -174,8 +185,9 @@ class FlatAdamW:
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("flat AdamW takes no closure")
-        if getattr(self.adam, "found_inf", None) is not None:
-            raise RuntimeError("flat AdamW does not handle found_inf (fp16 loss scaling); set optimizer.flat=false")
+        # torch's convention for a step to skip on the device (multimodal/nonfinite.py sets it); the
+        # kernel leaves everything but the gradient zeroing undone where it is nonzero
+        self.skip = getattr(self.adam, "found_inf", None)
         if any(fb.exp_avg is None for fb in self.flat.values()):
             self.bind_state()
         self.count += 1
@@ -197,7 +209,7 @@ class FlatAdamW:
         flat_adamw(fb.main, fb.grad, fb.exp_avg, fb.exp_avg_sq, fb.out, *table,
                    lr=float(group["lr"]), weight_decay=float(group["weight_decay"]), beta1=beta1,
                    beta2=beta2, eps=group["eps"], step=self.count, grad_scale=grad_scale,
-                   zero_grad=zero_grad, use_kernel=self.use_kernel)
+                   zero_grad=zero_grad, skip=self.skip, use_kernel=self.use_kernel)
 
     def piece_tables(self, piece_of: dict, pieces: int) -> list[list[tuple]]:
         """The work split into ``pieces`` parts: per part, [(flat buffer, group index, chunk table)].

@@ -1,4 +1,10 @@
-"""Where metrics go: console (with a progress bar), metrics.jsonl, TensorBoard, W&B. Rank 0 only."""
+"""Where metrics go: console (with a progress bar), metrics.jsonl, TensorBoard, W&B. Rank 0 only.
+
+metrics.jsonl holds each logged step once, across kills and resumes: a run starting at step S
+(0 when fresh) first drops the rows past S (they were logged after the checkpoint it resumes
+from and will be logged again), and TensorBoard purges its events past S likewise. The trainer
+writes every logged step up to a checkpoint before that checkpoint exists.
+"""
 
 from __future__ import annotations
 
@@ -22,18 +28,21 @@ class MetricsSink:
             return
         out = Path(cfg.dir)
         out.mkdir(parents=True, exist_ok=True)
+        drop_rows_after(out / "metrics.jsonl", start_iter)
         self.jsonl = open(out / "metrics.jsonl", "a", buffering=1)
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=str(out / "tensorboard"))
+            # purge_step: events at or after it, from an earlier attempt, are hidden
+            self.tb = SummaryWriter(log_dir=str(out / "tensorboard"), purge_step=start_iter + 1)
         if cfg.wandb:
             try:
                 import wandb
             except ImportError as e:
                 raise RuntimeError("logging.wandb=true needs `pip install -e .[wandb]`") from e
-            os.environ.setdefault("WANDB_MODE", cfg.wandb_mode)
-            self.wandb = wandb.init(project=cfg.wandb_project, dir=str(out), config=config_dict)
+            # the recipe's wandb_mode wins; unset, WANDB_MODE decides, else offline
+            mode = cfg.wandb_mode or os.environ.get("WANDB_MODE") or "offline"
+            self.wandb = wandb.init(project=cfg.wandb_project, dir=str(out), config=config_dict, mode=mode)
         if cfg.progress_bar:
             from tqdm import tqdm
 
@@ -51,11 +60,7 @@ class MetricsSink:
                     self.tb.add_scalar(k, v, step)
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in row.items() if v is not None}, step=step)
-        line = (
-            f"step {step:6d} | loss {row['loss']:.4f} | grad_norm {row['grad_norm']:.3f} | lr {row['lr']:.2e} | "
-            f"{row['tokens_per_s']:.0f} tok/s | {row['tflops_per_gpu']:.3g} TFLOP/s/GPU | "
-            f"mfu {_fmt(row['mfu'])} | peak mem {row['mem_peak_gib']:.2f} GiB"
-        )
+        line = console_line(step, metrics)
         if self.bar is not None:
             self.bar.write(line)
         else:
@@ -75,6 +80,52 @@ class MetricsSink:
             self.wandb.finish()
 
 
+def drop_rows_after(path: Path, step: int) -> int:
+    """Rewrite ``path`` without rows whose step is past ``step`` (atomically); returns how many went.
+    A torn last line (a kill mid-write) goes too."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            dropped += 1
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        os.replace(tmp, path)
+        log.info("metrics.jsonl: dropped %d row(s) past step %d (they are logged again by this run)", dropped, step)
+    return dropped
+
+
+def console_line(step: int, m: dict) -> str:
+    """The progress line; any value may be missing, None, NaN or inf (a diverged step), never an error."""
+    line = (
+        f"step {step:6d} | loss {_num(m.get('loss'), '.4f')} | grad_norm {_num(m.get('grad_norm'), '.3f')} | "
+        f"lr {_num(m.get('lr'), '.2e')} | {_num(m.get('tokens_per_s'), '.0f')} tok/s | "
+        f"{_num(m.get('tflops_per_gpu'), '.3g')} TFLOP/s/GPU | mfu {_fmt(m.get('mfu'))} | "
+        f"peak mem {_num(m.get('mem_peak_gib'), '.2f')} GiB"
+    )
+    if m.get("skipped_steps"):
+        line += f" | skipped {m['skipped_steps']} (non-finite; {m.get('skipped_total', '?')} in all)"
+    return line
+
+
+def _num(v, spec: str) -> str:
+    if v is None:
+        return "n/a"
+    try:
+        return format(v, spec)
+    except (TypeError, ValueError):
+        return str(v)
+
+
 def _clean(v):
     if isinstance(v, float) and (math.isnan(v) or math.isinf(v)):
         return None if math.isnan(v) else v
@@ -82,4 +133,4 @@ def _clean(v):
 
 
 def _fmt(v) -> str:
-    return "n/a" if v is None else f"{100 * v:.1f}%"
+    return "n/a" if v is None or not isinstance(v, (int, float)) else f"{100 * v:.1f}%"

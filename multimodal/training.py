@@ -11,6 +11,7 @@ import dataclasses
 import json
 import logging
 import math
+import signal
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -31,11 +32,14 @@ from data.prefetch import Prefetcher
 from models import get_model_builder
 from multimodal import checkpointing, flat_adamw, multi_tensor, oom_advice, overlap_update, platform
 from multimodal.config import Config, ConfigError, resolve_sources, validate
+from multimodal.errors import NonFiniteError
 from multimodal.flops import device_peak_tflops, training_flops
 from multimodal.forward_step import ForwardStep
 from multimodal.loss import masked_token_loss
 from multimodal.memory import MemoryTools
+from multimodal.async_saves import AsyncSaves
 from multimodal.metrics import MetricsSink
+from multimodal.nonfinite import NonFiniteGuard, weights_finite
 from models.common import layer_graphs, wgrad_fusion
 from multimodal.platform import Runtime, init_distributed, seed_everything, use_deterministic_algorithms
 from multimodal.freeze import describe as describe_freeze
@@ -264,6 +268,8 @@ def _train(cfg: Config, rt: Runtime) -> TrainResult:
 
 def _build_and_loop(cfg: Config, rt: Runtime, dtype: torch.dtype, mem: MemoryTools) -> TrainResult:
     t, m = cfg.train, cfg.model
+    # before anything is built: a mistyped checkpoint.load stops here, in a second, not after the model
+    load_path = checkpointing.resolve(cfg.checkpoint.load, cfg.checkpoint.dir) if cfg.checkpoint.load else None
     model, ddp, optimizer, scheduler = build_model_and_optimizer(cfg, rt, dtype)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     num_microbatches = t.global_batch_size // (t.micro_batch_size * dp_size)
@@ -280,19 +286,19 @@ def _build_and_loop(cfg: Config, rt: Runtime, dtype: torch.dtype, mem: MemoryToo
         pack_lookahead=cfg.data.pack_lookahead,
     )
 
-    start = 0
-    ck = cfg.checkpoint
-    if ck.load:
-        path = checkpointing.resolve(ck.load, ck.dir)
-        if path is not None:
-            start, data_state = checkpointing.load(path, model, optimizer, scheduler)
-            if data_state is not None:
-                loader.load_state_dict(data_state)
+    start, last_good = 0, None
+    if load_path is not None:
+        start, data_state = checkpointing.load(load_path, model, optimizer, scheduler,
+                                               model_config=dataclasses.asdict(m))
+        last_good = str(load_path)
+        if data_state is not None:
+            loader.load_state_dict(data_state)
 
     depth = cfg.data.prefetch if cfg.data.prefetch is not None else (2 if rt.is_cuda else 0)
     batches = Prefetcher(loader, depth) if depth else loader
     try:
-        return _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microbatches, dtype, mem)
+        return _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microbatches, dtype, mem,
+                     last_good)
     finally:
         overlap = getattr(optimizer, "update_overlap", None)
         if overlap is not None:  # the last update may still run: callers read the parameters
@@ -306,7 +312,7 @@ def _build_and_loop(cfg: Config, rt: Runtime, dtype: torch.dtype, mem: MemoryToo
 
 
 def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microbatches, dtype,
-          mem: MemoryTools | None = None) -> TrainResult:
+          mem: MemoryTools | None = None, last_good: str | None = None) -> TrainResult:
     t, m, ck = cfg.train, cfg.model, cfg.checkpoint
     sink = MetricsSink(cfg.logging, rt.is_main, t.iters, start, cfg.to_dict())
     fwd_bwd = get_forward_backward_func()
@@ -321,8 +327,27 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
     pending: _PendingLog | None = None  # the last log step's numbers, still on the device
     clock = _StepClock(rt.is_cuda)
     overlap = getattr(optimizer, "update_overlap", None)  # the step runs behind the next forward
+    guard = NonFiniteGuard(optimizer, t.on_nonfinite, t.max_nonfinite_steps, rt.device)
+    guard.last_good = last_good
+    use_async = ck.async_save if ck.async_save is not None else rt.is_cuda
+    saves = AsyncSaves() if ck.dir and use_async else None
+    if saves is not None:
+        saves.on_sigterm()
+
+    def flush_log():
+        nonlocal pending
+        if pending is not None:  # cleared first: a failing emit must not be retried by the handler below
+            p, pending = pending, None
+            _emit(p, peak, sink, result, guard)
+
     try:
         for it in range(start + 1, t.iters + 1):
+            if saves is not None:
+                saves.poll()  # a save whose files are written becomes `latest` now
+                if saves.terminated:
+                    saves.wait()
+                    log.warning("SIGTERM: the checkpoint being written is complete; stopping before step %d", it)
+                    raise SystemExit(128 + signal.SIGTERM)
             profiler.begin(it)
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
@@ -341,48 +366,62 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
                 forward_only=False,
             )
             _, grad_norm, _ = optimizer.step()
+            step_report = torch.zeros_like(report)
+            for out in outputs:  # (none on pipeline stages without the loss)
+                step_report += out["lm loss"]
+            # a skipped step (non-finite gradient norm) is counted, its loss left out of the window's
+            report += guard.after_step(it, scheduler.get_lr(optimizer.param_groups[0]), step_report)
             scheduler.step(increment=1)
-            for out in outputs:
-                report += out["lm loss"]
             window.add(step.batches, m)
             profiler.end(it)
             sink.advance()
             if mem is not None:
                 mem.after_step(it)
 
-            if pending is not None:
-                # the previous log step's numbers are read only now, with this whole step queued
-                # behind them: reading them at their own step would drain the GPU, and the next
-                # step would start on an idle device while the host prepares its batch
-                _emit(pending, peak, sink, result)
-                pending = None
+            # the previous log step's numbers are read only now, with this whole step queued
+            # behind them: reading them at their own step would drain the GPU, and the next
+            # step would start on an idle device while the host prepares its batch
+            flush_log()
             if it % cfg.logging.interval == 0 or it == t.iters:
                 pending = _start_log(it, report, grad_norm, scheduler, window, clock, model, rt,
-                                     t.global_batch_size * t.seq_length, overlap)
+                                     t.global_batch_size * t.seq_length, overlap, guard.counters)
+                pending.host.update(_data_counts(batches))
                 report.zero_()  # (queued after the copies _start_log made of it)
                 window = _Window()
             if ck.dir and ((ck.interval and it % ck.interval == 0) or (it == t.iters and ck.save_at_end)):
                 if overlap is not None:
                     overlap.finish()  # the saved parameters and moments are this step's
-                checkpointing.save(ck.dir, it, model, optimizer, scheduler, batches.state_dict(), ck.keep_last,
-                                   meta_files=checkpoint_meta(cfg))
+                # every logged step up to this one is in metrics.jsonl before the checkpoint
+                # exists: a resume from it drops later rows only, and none is lost
+                flush_log()
+                guard.before_save(it)
+                if not weights_finite(model):
+                    raise NonFiniteError(f"step {it}: the weights are not finite, so no checkpoint was written; "
+                                         f"last good checkpoint: {guard.last_good or 'none'}; lower optimizer.lr "
+                                         "and resume from it")
+                saved = checkpointing.save(ck.dir, it, model, optimizer, scheduler, batches.state_dict(),
+                                           ck.keep_last, meta_files=checkpoint_meta(cfg), saves=saves)
+                guard.last_good = str(saved)
             result.last_iteration = it
-        if pending is not None:
-            _emit(pending, peak, sink, result)
+        flush_log()
+        _log_data_summary(batches)
     except BaseException as e:
         # keep the last log line of a run that fails one step later; with several ranks its
         # reductions may wait on a peer that is gone, so only alone
         if pending is not None and dist.get_world_size() == 1:
+            it_pending = pending.it
             try:
-                _emit(pending, peak, sink, result)
-            except Exception:  # noqa: BLE001 - the original error matters more
-                log.warning("could not write the metrics of step %d", pending.it)
+                flush_log()
+            except Exception as emit_error:  # noqa: BLE001 - the original error matters more
+                log.warning("could not write the metrics of step %d (%s)", it_pending, emit_error)
         if isinstance(e, torch.OutOfMemoryError) and not isinstance(e, oom_advice.TrainingOutOfMemory):
             raise oom_advice.TrainingOutOfMemory(
                 oom_advice.advice(cfg, result.last_iteration + 1, ps.get_data_parallel_world_size())) from e
         raise
     finally:
         profiler.close()  # a run that stops inside the window still writes its profile
+        if saves is not None:
+            saves.close()  # the save in flight is completed (or reported) before the run ends
     sink.close()
     return result
 
@@ -438,7 +477,8 @@ class _PendingLog:
     non-blocking copy fills once the device reaches the end of that step (the clock's end mark,
     recorded after the copy, says when)."""
     it: int
-    values: torch.Tensor          # [loss_sum, supervised tokens, real tokens, FLOPs, param norm, grad norm]
+    values: torch.Tensor          # [loss_sum, supervised tokens, real tokens, FLOPs, param norm, grad norm,
+                                  #  the non-finite guard's counters]
     grad_norm: float | None       # when the optimizer gave a host value (else it is in ``values``)
     host: dict                    # lr, CUDA-graph counters, steps in the window
     window: tuple                 # (start, end) marks of _StepClock
@@ -447,7 +487,7 @@ class _PendingLog:
 
 
 def _start_log(it, report, grad_norm, scheduler, window: _Window, clock: _StepClock, model, rt: Runtime,
-               processed_per_step: int, overlap=None) -> _PendingLog:
+               processed_per_step: int, overlap=None, guard_counters=None) -> _PendingLog:
     """Queue this log step's reductions (collectives and norms) on the device; read nothing back."""
     dp_group = ps.get_data_parallel_group()
     # Every pipeline stage of a DP replica reads the same micro-batches, so tokens and FLOPs are
@@ -472,7 +512,8 @@ def _start_log(it, report, grad_norm, scheduler, window: _Window, clock: _StepCl
     with overlap.behind_update(totals, grad_norm) if overlap is not None else nullcontext():
         param_norm = _param_norm(model)  # of this step's parameters, before the next step changes them
         g = grad_norm.reshape(1).to(totals) if on_device else totals.new_zeros(1)
-        values = torch.cat([totals, param_norm.reshape(1).to(totals), g])
+        extra = [guard_counters.to(totals)] if guard_counters is not None else []  # nonfinite.COUNTERS
+        values = torch.cat([totals, param_norm.reshape(1).to(totals), g, *extra])
         # not .cpu(): that waits for everything queued so far, here and again at the read below
         staged = torch.empty(values.shape, dtype=values.dtype, pin_memory=rt.is_cuda)
         staged.copy_(values, non_blocking=True)
@@ -486,7 +527,7 @@ def _start_log(it, report, grad_norm, scheduler, window: _Window, clock: _StepCl
     return _PendingLog(it, staged, host_grad, host, clock.mark(), clock, ready)
 
 
-def _emit(p: _PendingLog, peak, sink: MetricsSink, result: TrainResult) -> None:
+def _emit(p: _PendingLog, peak, sink: MetricsSink, result: TrainResult, guard: NonFiniteGuard | None = None) -> None:
     elapsed = p.clock.seconds(*p.window)  # waits for the window's end mark
     if p.ready is not None:
         p.ready.synchronize()  # the staged copy is done (on the update stream, it may end later)
@@ -499,7 +540,8 @@ def _emit(p: _PendingLog, peak, sink: MetricsSink, result: TrainResult) -> None:
     tflops_per_gpu = totals[3] / elapsed / world / 1e12
     metrics = {
         "step": p.it,
-        "loss": totals[0] / max(totals[1], 1.0),
+        # no supervised token left in the window: every step of it was skipped (non-finite)
+        "loss": totals[0] / totals[1] if totals[1] > 0 else float("nan"),
         "grad_norm": grad_norm,
         "lr": p.host["lr"],
         "tokens_per_s": totals[2] / elapsed,
@@ -512,9 +554,35 @@ def _emit(p: _PendingLog, peak, sink: MetricsSink, result: TrainResult) -> None:
         # real tokens / tokens processed (padding included): how full the packed rows were
         "real_token_fraction": totals[2] / max(p.host["processed_tokens"], 1),
     }
-    metrics.update({k: v for k, v in p.host.items() if k.startswith("cuda_graph")})
+    metrics.update({k: v for k, v in p.host.items() if k.startswith(("cuda_graph", "rows_"))})
+    error = None
+    if guard is not None:
+        guard_metrics, error = guard.review(p.it, totals[6:])
+        metrics.update(guard_metrics)
     result.losses[p.it] = metrics["loss"]
     sink.log(p.it, metrics)
+    if error is not None:  # after the row: the log shows the skipped steps that stopped the run
+        raise error
+
+
+def _data_counts(batches) -> dict:
+    """This rank's rows read and skipped so far (by reason), for the log row."""
+    source = getattr(batches, "iterator", batches)  # under the prefetch thread: its loader
+    summary = source.summary() if hasattr(source, "summary") else None
+    if summary is None:
+        return {}
+    out = {"rows_read": summary["rows_read"], "rows_skipped": summary["rows_skipped"]}
+    if summary["skipped_by_reason"]:
+        out["rows_skipped_by_reason"] = summary["skipped_by_reason"]
+    return out
+
+
+def _log_data_summary(batches) -> None:
+    counts = _data_counts(batches)
+    if counts:
+        reasons = ", ".join(f"{k}: {v}" for k, v in sorted(counts.get("rows_skipped_by_reason", {}).items()))
+        log.info("data: %d rows read, %d skipped%s (data-parallel rank %d)", counts["rows_read"],
+                 counts["rows_skipped"], f" ({reasons})" if reasons else "", ps.get_data_parallel_rank())
 
 
 def _param_norm(model) -> torch.Tensor:

@@ -1,0 +1,48 @@
+"""Fault injection in the recipe: malformed YAML names file:line:column in one line; the learning
+rates are checked in both directions; the entry point exits with code 2 and no traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from fault_helpers import run_cli
+from multimodal.config import ConfigError, load_config, validate
+
+PROXY = "configs/qwen35_vl_proxy.yaml"
+
+
+def test_malformed_yaml_names_file_line_and_column(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  name: qwen35_vl\ntrain:\n  iters: [1, 2\n  seed: 3\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(bad)
+    msg = str(e.value)
+    assert msg.startswith(f"{bad}:5:") and "invalid YAML" in msg and "\n" not in msg, msg
+
+
+def test_malformed_override_is_named():
+    with pytest.raises(ConfigError, match=r"^override 'train.iters=\[1':1:3: invalid YAML: expected ',' or ']'"):
+        load_config(PROXY, ["train.iters=[1"])
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["optimizer.lr=-1"], r"optimizer.lr must be > 0, got -1"),
+    (["optimizer.lr=-1", "optimizer.min_lr=-2"], r"optimizer.lr must be > 0, got -1"),
+    (["optimizer.lr=0"], r"optimizer.lr must be > 0"),
+    (["optimizer.min_lr=-1e-5"], r"optimizer.min_lr must be >= 0"),
+    (["optimizer.lr=1e-4", "optimizer.min_lr=1e-3"], r"optimizer.min_lr \(0.001\) must be <= optimizer.lr \(0.0001\)"),
+    (["train.on_nonfinite=ignore"], r"train.on_nonfinite must be skip\|stop"),
+    (["train.max_nonfinite_steps=0"], r"train.max_nonfinite_steps must be >= 1"),
+    (["logging.wandb_mode=sometimes"], r"logging.wandb_mode must be"),
+])
+def test_learning_rates_and_guard_settings_are_checked(overrides, needle):
+    with pytest.raises(ConfigError, match=needle):
+        validate(load_config(PROXY, overrides))
+
+
+def test_cli_prints_one_line_and_exits_2_for_bad_yaml(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  iters: 3\n   seed: 1\n")
+    run = run_cli(tmp_path, config=str(bad), tiny=False)
+    assert run.rc == 2
+    assert run.last_line.startswith(f"error: {bad}:3:") and "Traceback" not in run.stderr, run.stderr[-2000:]
