@@ -20,7 +20,7 @@ import traceback
 from pathlib import Path
 
 from multimodal.config import config_to_yaml, load_config, resolve_sources, validate
-from multimodal.errors import TrainingError, one_line
+from multimodal.errors import ConfigError, TrainingError, one_line
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,7 +59,10 @@ def main(argv: list[str] | None = None) -> int:
 
         train(cfg)
     except TrainingError as e:
-        return report(e, rank, cfg.logging.dir if cfg is not None else None, args.verbose)
+        # a refused recipe (and anything a dry run finds) happened before any run: its one line is
+        # the whole story, and no run directory should appear for it
+        ran = cfg is not None and not args.dry_run and not isinstance(e, ConfigError)
+        return report(e, rank, cfg.logging.dir if ran else None, args.verbose)
     return 0
 
 

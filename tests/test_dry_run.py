@@ -214,7 +214,9 @@ def test_dry_run_reports_a_layout_that_does_not_fit():
 def test_bad_layouts_are_refused_with_the_field_and_fix(override, pattern):
     proc = _cli("--config", "configs/qwen35_vl_397b_a17b.yaml", "--dry-run", *override)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert proc.stderr.startswith("config error: ") and re.search(pattern, proc.stderr), proc.stderr
+    # one line naming the field and the fix, and no error.log: nothing ran
+    assert proc.stderr.startswith("error: ") and re.search(pattern, proc.stderr), proc.stderr
+    assert proc.stderr.count("\n") == 1 and "traceback" not in proc.stderr, proc.stderr
 
 
 def test_check_layout_raises_config_error_and_notes_unimplemented_refusals():
