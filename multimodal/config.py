@@ -517,7 +517,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _require(o.lr_decay_style in ("cosine", "linear", "constant"),
              f"optimizer.lr_decay_style must be cosine|linear|constant, got {o.lr_decay_style!r}")
     # each bound on its own first: a negative lr is reported as such, not as a min_lr problem
-    _require(o.lr > 0, f"optimizer.lr must be > 0, got {o.lr}")
+    # lr = 0 is allowed: a run that must leave the weights as they are (checking a conversion)
+    _require(o.lr >= 0, f"optimizer.lr must be >= 0, got {o.lr}")
     _require(o.min_lr >= 0, f"optimizer.min_lr must be >= 0, got {o.min_lr}")
     _require(o.min_lr <= o.lr, f"optimizer.min_lr ({o.min_lr}) must be <= optimizer.lr ({o.lr})")
     _require(t.on_nonfinite in ("skip", "stop"), f"train.on_nonfinite must be skip|stop, got {t.on_nonfinite!r}")

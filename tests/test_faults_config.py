@@ -26,9 +26,9 @@ def test_malformed_override_is_named():
 
 
 @pytest.mark.parametrize("overrides, needle", [
-    (["optimizer.lr=-1"], r"optimizer.lr must be > 0, got -1"),
-    (["optimizer.lr=-1", "optimizer.min_lr=-2"], r"optimizer.lr must be > 0, got -1"),
-    (["optimizer.lr=0"], r"optimizer.lr must be > 0"),
+    (["optimizer.lr=-1"], r"optimizer.lr must be >= 0, got -1"),
+    (["optimizer.lr=-1", "optimizer.min_lr=-2"], r"optimizer.lr must be >= 0, got -1"),
+    (["optimizer.lr=0", "optimizer.min_lr=1e-5"], r"optimizer.min_lr \(1e-05\) must be <= optimizer.lr \(0.0\)"),
     (["optimizer.min_lr=-1e-5"], r"optimizer.min_lr must be >= 0"),
     (["optimizer.lr=1e-4", "optimizer.min_lr=1e-3"], r"optimizer.min_lr \(0.001\) must be <= optimizer.lr \(0.0001\)"),
     (["train.on_nonfinite=ignore"], r"train.on_nonfinite must be skip\|stop"),
