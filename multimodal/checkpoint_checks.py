@@ -140,8 +140,10 @@ def config_differences(directory: Path, model_config: dict | None) -> list[str]:
 
 
 def shape_mismatch(directory: Path, expected: dict[str, tuple], stored: dict[str, tuple],
-                   model_config: dict | None = None) -> CheckpointError | None:
-    """One line listing at most ``MAX_LISTED`` tensors whose shapes differ (or that one side lacks)."""
+                   model_config: dict | None = None, whole_model: bool = True) -> CheckpointError | None:
+    """One line listing at most ``MAX_LISTED`` tensors whose shapes differ (or that one side lacks).
+    ``whole_model=False`` (a pipeline stage, which holds only its own layers): tensors of the
+    checkpoint that this rank does not hold are other stages', not a difference."""
     diffs = []
     for key, shape in expected.items():
         if key not in stored:
@@ -149,7 +151,7 @@ def shape_mismatch(directory: Path, expected: dict[str, tuple], stored: dict[str
         elif stored[key] != shape:
             diffs.append(f"{key} {list(stored[key])} in the checkpoint, {list(shape)} here")
     prefixes = {k.split(".")[0] for k in expected}  # (the optimizer's keys are checked by their model keys)
-    for key in stored:
+    for key in stored if whole_model else ():
         if key not in expected and key.split(".")[0] in prefixes:
             diffs.append(f"{key} {list(stored[key])} in the checkpoint, not in this model")
     if not diffs:

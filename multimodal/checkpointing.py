@@ -348,8 +348,11 @@ def check_loadable(path: Path, model, model_config: dict | None = None) -> dict:
         stored = checks.stored_shapes(path)
     except Exception as e:  # noqa: BLE001 - a damaged .metadata in a checkpoint without a manifest
         raise checks.corrupt(path, f"{path / '.metadata'} does not load ({one_line(e)})") from e
+    from megatron.core import parallel_state as ps
+
+    whole = not ps.model_parallel_is_initialized() or ps.get_pipeline_model_parallel_world_size() == 1
     mismatch = checks.shape_mismatch(path, checks.expected_shapes({"model": model.sharded_state_dict()}), stored,
-                                     model_config)
+                                     model_config, whole_model=whole)
     if mismatch is not None:
         raise mismatch
     return trainer
