@@ -198,39 +198,28 @@ def is_disk_full(e: BaseException, logged: list[str] = (), free_bytes: int | Non
         return True
     if free_bytes is not None and free_bytes < need_bytes and "OSError" in _chain_text(e):
         return True
-    seen = set()
-    stack = [e]
+    return any((isinstance(x, OSError) and x.errno == errno.ENOSPC) or "No space left on device" in str(x)
+               for x in _chain(e))
+
+
+def _chain(e: BaseException):
+    """``e`` and every exception behind it: causes, contexts, and the per-rank failures a
+    torch.distributed.checkpoint CheckpointException carries."""
+    seen, stack = set(), [e]
     while stack:
         x = stack.pop()
         if x is None or id(x) in seen:
             continue
         seen.add(id(x))
-        if isinstance(x, OSError) and x.errno == errno.ENOSPC:
-            return True
-        if "No space left on device" in str(x):
-            return True
-        stack += [x.__cause__, x.__context__]
-        failures = getattr(x, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
-        if isinstance(failures, dict):
-            for f in failures.values():
-                stack.append(f[0] if isinstance(f, tuple) else f if isinstance(f, BaseException) else None)
-    return False
-
-
-def _chain_text(e: BaseException) -> str:
-    parts, seen = [], set()
-    stack = [e]
-    while stack:
-        x = stack.pop()
-        if x is None or id(x) in seen:
-            continue
-        seen.add(id(x))
-        parts.append(f"{type(x).__name__}: {x}")
+        yield x
         stack += [x.__cause__, x.__context__]
         failures = getattr(x, "failures", None)
         if isinstance(failures, dict):
             stack += [f[0] if isinstance(f, tuple) else f for f in failures.values() if isinstance(f, (tuple, BaseException))]
-    return " | ".join(parts)
+
+
+def _chain_text(e: BaseException) -> str:
+    return " | ".join(f"{type(x).__name__}: {x}" for x in _chain(e))
 
 
 def free_bytes(path) -> int | None:

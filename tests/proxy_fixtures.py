@@ -55,3 +55,20 @@ def accumulate(ddp, model, batches):
         (loss * batch["loss_mask"]).sum().backward()
         losses.append(loss.detach())
     return losses, {n: p.main_grad.clone() for n, p in model.named_parameters()}
+
+
+def optimizer_steps(cfg, model, ddp, optimizer, scheduler, steps: int) -> list[torch.Tensor]:
+    """Per-step summed losses of ``steps`` full optimizer steps (what the trainer does per step:
+    zeroed buffers, backward, DDP's gradient sync, the update) on the first packed row, repeated."""
+    batch = packed_rows(cfg)[0]
+    losses = []
+    for _ in range(steps):
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = (forward(model, batch) * batch["loss_mask"]).sum()
+        loss.backward()
+        losses.append(loss.detach().clone())
+        ddp.finish_grad_sync()
+        optimizer.step()
+        scheduler.step(1)
+    return losses

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from proxy_fixtures import packed_rows
+from proxy_fixtures import optimizer_steps
 
 from models.base import PARAMETER_GROUPS
 from multimodal.config import ConfigError, load_config, validate
@@ -17,7 +17,6 @@ MOE = "configs/qwen35_vl_proxy_moe.yaml"
 
 def _train_steps(mcore, config: str, freeze: list[str], steps: int = 3):
     """(model, ddp, optimizer, weights before, weights after) of a few optimizer steps."""
-    from multimodal.forward_step import packed_seq_params
     from multimodal.platform import seed_everything
     from multimodal.training import build_model_and_optimizer
 
@@ -27,17 +26,7 @@ def _train_steps(mcore, config: str, freeze: list[str], steps: int = 3):
     seed_everything(0)
     model, ddp, optimizer, scheduler = build_model_and_optimizer(cfg, mcore, torch.float32)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    batch = packed_rows(cfg)[0]
-    for _ in range(steps):
-        ddp.zero_grad_buffer()
-        optimizer.zero_grad()
-        losses = model(batch["tokens"], batch["position_ids"], labels=batch["labels"],
-                       pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
-                       packed_seq_params=packed_seq_params(batch))
-        (losses * batch["loss_mask"]).sum().backward()
-        ddp.finish_grad_sync()
-        optimizer.step()
-        scheduler.step(1)
+    optimizer_steps(cfg, model, ddp, optimizer, scheduler, steps)
     after = {n: p.detach().clone() for n, p in model.named_parameters()}
     return model, ddp, optimizer, before, after
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_fixtures import make_hf_checkpoint
-from proxy_fixtures import packed_rows
+from proxy_fixtures import optimizer_steps
 from test_hf import _run
 
 from models.common.lora import is_adapter_param
@@ -32,32 +32,11 @@ def _build(mcore, config: str, overrides: list[str], seed: int = 0):
     return cfg, *build_model_and_optimizer(cfg, mcore, torch.float32)
 
 
-def _steps(cfg, model, ddp, optimizer, scheduler, steps: int) -> list[torch.Tensor]:
-    """Per-step losses of ``steps`` optimizer steps on one repeated batch."""
-    from multimodal.forward_step import packed_seq_params
-
-    batch = packed_rows(cfg)[0]
-    losses = []
-    for _ in range(steps):
-        ddp.zero_grad_buffer()
-        optimizer.zero_grad()
-        per_token = model(batch["tokens"], batch["position_ids"], labels=batch["labels"],
-                          pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
-                          packed_seq_params=packed_seq_params(batch))
-        loss = (per_token * batch["loss_mask"]).sum()
-        loss.backward()
-        losses.append(loss.detach().clone())
-        ddp.finish_grad_sync()
-        optimizer.step()
-        scheduler.step(1)
-    return losses
-
-
 def _train(mcore, config: str, overrides: list[str], steps: int):
     """(model, optimizer, weights before, weights after, per-step losses)."""
     cfg, model, ddp, optimizer, scheduler = _build(mcore, config, overrides)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    losses = _steps(cfg, model, ddp, optimizer, scheduler, steps)
+    losses = optimizer_steps(cfg, model, ddp, optimizer, scheduler, steps)
     after = {n: p.detach().clone() for n, p in model.named_parameters()}
     return model, optimizer, before, after, losses
 
@@ -99,16 +78,16 @@ def test_lora_checkpoint_resumes(mcore, tmp_path):
     from multimodal import checkpointing
 
     cfg, *run = _build(mcore, PROXY, LORA)
-    whole = _steps(cfg, *run, steps=4)
+    whole = optimizer_steps(cfg, *run, steps=4)
     cfg, *run = _build(mcore, PROXY, LORA)
-    first = _steps(cfg, *run, steps=2)
+    first = optimizer_steps(cfg, *run, steps=2)
     model, ddp, optimizer, scheduler = run
     assert any(is_adapter_param(k) for k in model.sharded_state_dict())
     checkpointing.save(str(tmp_path), 2, model, optimizer, scheduler, {})
     cfg, *run = _build(mcore, PROXY, LORA, seed=1)
     model, ddp, optimizer, scheduler = run
     assert checkpointing.load(checkpointing.resolve("latest", str(tmp_path)), model, optimizer, scheduler)[0] == 2
-    rest = _steps(cfg, *run, steps=2)
+    rest = optimizer_steps(cfg, *run, steps=2)
     assert torch.equal(torch.stack(first + rest), torch.stack(whole))
 
 

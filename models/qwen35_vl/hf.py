@@ -166,7 +166,7 @@ def _mlp_pairs(prefix_ours: str, prefix_hf: str, m: ModelConfig) -> list[tuple[s
     return out
 
 
-def _expert_names(m: ModelConfig, i: int) -> tuple[str, str, str]:
+def _expert_names(i: int) -> tuple[str, str, str]:
     """Our stacked expert weights of layer i (fc1 [E, 2F, H], fc2 [E, H, F]) and the HF prefix
     of its per-expert tensors (``<prefix>.<e>.gate_proj.weight`` ...)."""
     o = f"language_model.decoder.layers.{i}.mlp.experts"
@@ -214,7 +214,7 @@ def hf_to_ours(hf: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.T
         for ours, names in _layer_pairs(m, i):
             out[ours] = torch.cat([get(n) for n in names]) if len(names) > 1 else get(names[0])
         if m.num_experts:
-            fc1, fc2, e = _expert_names(m, i)
+            fc1, fc2, e = _expert_names(i)
             experts = range(m.num_experts)
             out[fc1] = torch.stack([torch.cat([get(f"{e}.{j}.gate_proj.weight"), get(f"{e}.{j}.up_proj.weight")])
                                     for j in experts])
@@ -247,7 +247,7 @@ def ours_to_hf(ours: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch
             else:  # GLU fc1: [gate | up]
                 hf.update(zip(names, torch.chunk(t, 2)))
         if m.num_experts:
-            fc1, fc2, e = _expert_names(m, i)
+            fc1, fc2, e = _expert_names(i)
             for j, (w1, w2) in enumerate(zip(ours[fc1], ours[fc2])):
                 hf[f"{e}.{j}.gate_proj.weight"], hf[f"{e}.{j}.up_proj.weight"] = torch.chunk(w1, 2)
                 hf[f"{e}.{j}.down_proj.weight"] = w2
