@@ -230,15 +230,17 @@ class TrainConfig:
     # shared_experts, moe_act, gdn_qkv, gdn_norm_out; outputs and gradients unchanged bit for bit
     recompute_modules: list[str] = field(default_factory=list)
     # Decoder layers replayed as CUDA graphs, forward and backward (models/common/layer_graphs.py):
-    # removes most of the host's kernel-launch time. GPU, dense models, packed rows, pp=tp=cp=1,
-    # no recompute. Rows with more samples than cuda_graph_max_samples run eagerly (counted).
+    # removes most of the host's kernel-launch time. GPU, packed rows, pp=tp=cp=1, no recompute.
+    # MoE decoder layers stay eager (only the vision encoder's graphs run; recompute allowed).
+    # Rows with more samples than cuda_graph_max_samples run eagerly (counted).
     cuda_graphs: bool = False
     cuda_graph_max_samples: int = 64  # per packed row (decoder) and images per micro-batch (vision)
-    # The vision encoder too (models/qwen35_vl/vision_graphs.py): its input padded up to a multiple
-    # of this many patches, one graph pair per bucket, at most cuda_graph_vision_max_buckets of
-    # them (further sizes run eagerly, counted). 0 = the vision encoder stays eager.
+    # The vision encoder too (models/qwen35_vl/vision_graphs.py): its input padded up to a bucket
+    # of patches (multiples of this many up to 8 of them, then 8 sizes per doubling: at most 1/8
+    # padding), one graph pair per bucket, at most cuda_graph_vision_max_buckets of them (further
+    # sizes run eagerly, counted). 0 = the vision encoder stays eager.
     cuda_graph_vision_bucket: int = 1024
-    cuda_graph_vision_max_buckets: int = 8
+    cuda_graph_vision_max_buckets: int = 24
     # The backward graphs add the parameter gradients into DDP's main_grad themselves (megatron's
     # grad_added_to_main_grad convention), instead of returning static gradients that autograd
     # copies and DDP's hook then adds in one launch per parameter. false: the old path.

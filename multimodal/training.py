@@ -91,7 +91,9 @@ def build_model_and_optimizer(cfg: Config, rt: Runtime, dtype: torch.dtype):
         average_in_collective=False,  # per-token loss: the one division is by the token count
     )
     ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
-    graphs_add = rt.is_cuda and cfg.train.cuda_graphs and cfg.train.cuda_graph_grads_to_main_grad
+    # measured faster with graphed decoder layers; an eager (MoE) decoder keeps its default path
+    graphs_add = (rt.is_cuda and cfg.train.cuda_graphs and cfg.train.cuda_graph_grads_to_main_grad
+                  and layer_graphs.decoder_layers_graphable(cfg.model) is None)
     if wgrad_fusion.resolve(cfg.model.grad_accum_fusion, graphs_add):  # needs DDP's main_grad: after the wrap
         log.info("weight-gradient accumulation fusion: %d weights (linear layers, embedding, LM head)",
                  wgrad_fusion.enable(ddp))
@@ -101,9 +103,13 @@ def build_model_and_optimizer(cfg: Config, rt: Runtime, dtype: torch.dtype):
         t = cfg.train
         # one-sample rows take cuDNN attention under `auto` (models/common/attention.py): their own graphs
         one_segment = layer_graphs.one_segment_set_wanted(cfg.model.attention_backend, rt.device)
-        model.decoder_graphs = layer_graphs.install(model.language_model, t.cuda_graph_max_samples,
-                                                    one_segment_graphs=one_segment,
-                                                    grads_to_main_grad=t.cuda_graph_grads_to_main_grad)
+        eager_decoder = layer_graphs.decoder_layers_graphable(cfg.model)
+        if eager_decoder is None:
+            model.decoder_graphs = layer_graphs.install(model.language_model, t.cuda_graph_max_samples,
+                                                        one_segment_graphs=one_segment,
+                                                        grads_to_main_grad=t.cuda_graph_grads_to_main_grad)
+        else:
+            log.info("CUDA graphs: vision encoder only; %s", eager_decoder)
         vision = getattr(model, "vision_model", None)
         if t.cuda_graph_vision_bucket and hasattr(vision, "install_cuda_graphs"):  # the model's own router
             model.vision_graphs = vision.install_cuda_graphs(t.cuda_graph_vision_bucket, t.cuda_graph_vision_max_buckets,
@@ -506,6 +512,7 @@ def _start_log(it, report, grad_norm, scheduler, window: _Window, clock: _StepCl
     if _graphs_of(model):  # micro-batches that ran eager layers instead (logged once per reason)
         host["cuda_graph_eager_batches"] = sum(sum(g.eager_batches.values()) for g in _graphs_of(model))
         host["cuda_graph_captures"] = sum(g.captures for g in _graphs_of(model))
+        host["cuda_graph_capture_s"] = round(sum(g.capture_s for g in _graphs_of(model)), 3)
     on_device = torch.is_tensor(grad_norm)
     # with the update overlapped, the parameters are final only on its stream: the norm and the
     # copy queue there, so the compute stream does not wait for the whole update

@@ -46,6 +46,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -91,7 +92,31 @@ def run_ours(cfg, warmup: int, steps: int) -> dict:
         "loss_last": rows[-1]["loss"],
         "supervised_tokens_per_window": [r["supervised_tokens"] for r in rows],
         "graph_captures_in_timed_steps": captures_in_timed_steps(rows, warmup),
+        **step_spread([r["step_time_s"] for r in timed]),
+        # share of the timed log windows in which some micro-batch ran eager layers instead of graphs
+        "eager_step_share": eager_step_share(rows, warmup),
+        "graph_capture_s": rows[-1].get("cuda_graph_capture_s"),
     }
+
+
+def step_spread(times: list[float]) -> dict:
+    """Median and 90th percentile (nearest rank) of per-step times; per log window when
+    logging.interval > 1."""
+    if not times:
+        return {"step_time_median_s": None, "step_time_p90_s": None}
+    ordered = sorted(times)
+    return {"step_time_median_s": statistics.median(ordered),
+            "step_time_p90_s": ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]}
+
+
+def eager_step_share(rows: list[dict], warmup: int) -> float | None:
+    """Timed log windows whose cumulative ``cuda_graph_eager_batches`` grew, over all timed
+    windows; None when training ran without graphs."""
+    if not any("cuda_graph_eager_batches" in r for r in rows):
+        return None
+    counts = [r.get("cuda_graph_eager_batches", 0) for r in rows]
+    grew = [now > before for before, now, r in zip([0, *counts], counts, rows) if r["step"] > warmup]
+    return sum(grew) / len(grew) if grew else None
 
 
 def captures_in_timed_steps(rows: list[dict], warmup: int) -> int | None:
@@ -343,8 +368,11 @@ def _run_hf(cfg, batches: list[list[dict]], warmup: int, steps: int, dtype, devi
                 for b in timed)
     peak = device_peak_tflops(cfg.logging.peak_tflops)
     tflops = flops / total / 1e12
+    spread = step_spread(times)
     result = {
         "hf_step_time_s": total / steps,
+        "hf_step_time_median_s": spread["step_time_median_s"],
+        "hf_step_time_p90_s": spread["step_time_p90_s"],
         "hf_tokens_per_s": tokens / total,
         "hf_tflops_per_gpu": tflops,
         "hf_mfu": tflops / peak if peak else None,
@@ -566,6 +594,11 @@ def _summary(r: dict) -> None:
           f"{f(r['tflops_per_gpu'], '.1f')} TFLOP/s  MFU {f(r['mfu'], '.1%')} (peak {r['peak_tflops']})  "
           f"peak mem {f(r['peak_mem_gib'], '.1f')} GiB  real tokens {f(r.get('real_token_fraction'), '.1%')} "
           "of the rows", file=sys.stderr)
+    if r.get("step_time_median_s") is not None:
+        eager = r.get("eager_step_share")
+        print(f"        step time median {r['step_time_median_s']:.3f} s, p90 {r['step_time_p90_s']:.3f} s"
+              + ("" if eager is None else f"; {eager:.0%} of the timed steps ran some layers eagerly, "
+                 f"{r.get('graph_capture_s') or 0:.1f} s of graph capture in the run"), file=sys.stderr)
     if r.get("graph_captures_in_timed_steps"):
         print(f"        ({r['graph_captures_in_timed_steps']} CUDA graph capture(s) inside the timed steps: "
               "a longer --warmup leaves them out)", file=sys.stderr)

@@ -51,6 +51,9 @@ def test_bench_train_runs_both_frameworks_on_cpu(tmp_path, feed, process):
     assert "ours / HF tokens/s" in proc.stderr
     # our half was written before transformers' started (a run cut short keeps it); then replaced
     assert "transformers next" in proc.stderr and "hf_error" not in res
+    for key in ("step_time_median_s", "step_time_p90_s", "hf_step_time_median_s", "hf_step_time_p90_s"):
+        assert _positive(res[key]), (key, res[key])
+    assert res["step_time_p90_s"] >= res["step_time_median_s"]
 
 
 @pytest.mark.slow
@@ -84,6 +87,19 @@ def test_graph_captures_inside_the_timed_steps_are_counted():
     assert captures_in_timed_steps(rows, warmup=4) == 0
     assert captures_in_timed_steps(rows, warmup=0) == 5
     assert captures_in_timed_steps([{"step": 1}, {"step": 2}], warmup=1) is None  # no graphs
+
+
+def test_step_spread_and_eager_share():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_train import eager_step_share, step_spread
+
+    spread = step_spread([0.3, 0.1, 0.2, 0.9, 0.25, 0.2, 0.22, 0.21, 0.24, 0.23])
+    assert spread == {"step_time_median_s": pytest.approx(0.225), "step_time_p90_s": 0.3}
+    assert step_spread([]) == {"step_time_median_s": None, "step_time_p90_s": None}
+    rows = [{"step": s, "cuda_graph_eager_batches": c} for s, c in [(1, 1), (2, 1), (3, 2), (4, 2), (5, 4)]]
+    assert eager_step_share(rows, warmup=1) == 0.5  # steps 3 and 5 of 2-5 ran some layers eagerly
+    assert eager_step_share(rows, warmup=0) == 0.6
+    assert eager_step_share([{"step": 1}], warmup=0) is None  # no graphs
 
 
 def test_hf_inputs_keep_our_tokens_labels_and_images():

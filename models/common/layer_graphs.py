@@ -37,6 +37,7 @@ import functools
 import gc
 import logging
 import sys
+import time
 from collections import Counter
 
 import torch
@@ -216,6 +217,7 @@ class DecoderGraphs:
         self.failed: str | None = None
         self.eager_batches: Counter = Counter()  # reason -> micro-batches run eagerly
         self.graphed_batches = 0
+        self.capture_s = 0.0  # host seconds spent warming up and capturing graph sets
         self._current = None  # the PackedRowParams the graphs hold this micro-batch, else None
         self._active: GraphSet | None = None
         for i, layer in enumerate(self.layers):
@@ -299,6 +301,7 @@ class DecoderGraphs:
             return reason
         static.load(kw["packed_seq_params"], kw["rotary_pos_emb"])
         self._phase = "warm-up"
+        start = time.perf_counter()
         try:
             graphs = self._capture(hidden, kw, static)
         except Exception as e:  # noqa: BLE001 - any capture failure: say so, train on eagerly
@@ -309,9 +312,12 @@ class DecoderGraphs:
             if hidden.is_cuda:
                 torch.cuda.empty_cache()
             return f"capture failed: {self.failed}"
+        finally:
+            self.capture_s += time.perf_counter() - start
         self.sets[kind] = GraphSet(static, graphs)
         log.info("CUDA graphs: captured %d decoder layers (forward and backward) for %s of %d tokens, "
-                 "up to %d samples", len(graphs), kind, static.seq, static.max_samples)
+                 "up to %d samples, in %.1f s", len(graphs), kind, static.seq, static.max_samples,
+                 time.perf_counter() - start)
         return None
 
     def _capture(self, hidden, kw, static: StaticBatch) -> list[LayerGraph]:
@@ -469,12 +475,21 @@ def refusal(cfg) -> str | None:
         return "needs data.pack=true (graphs replay one packed row of train.seq_length tokens)"
     if p.pp > 1 or p.tp > 1 or p.cp > 1:
         return "needs parallel.pp = tp = cp = 1 (data parallelism is fine)"
-    if m.num_experts:
-        return "MoE layers route a data-dependent number of tokens per expert; not graphable"
-    if t.recompute_modules:
+    # MoE decoder layers stay eager (decoder_layers_graphable): the graphs are the vision
+    # encoder's only, and recompute of the eager decoder is fine
+    if t.recompute_modules and decoder_layers_graphable(m) is None:
         return "cannot be combined with train.recompute_modules"
     if t.micro_batch_size != 1:
         return "needs train.micro_batch_size=1 (one packed row per micro-batch)"
+    return None
+
+
+def decoder_layers_graphable(model_cfg) -> str | None:
+    """None if ``train.cuda_graphs`` replays the decoder layers as graphs too, else why only the
+    vision encoder's graphs run."""
+    if model_cfg.num_experts:
+        return ("MoE layers route a data-dependent number of tokens per expert (and megatron's "
+                "router and dispatcher sync with the host), so the decoder layers stay eager")
     return None
 
 
