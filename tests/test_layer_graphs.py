@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from proxy_fixtures import accumulate, forward, packed_rows, proxy_model, wrap_ddp
+from proxy_fixtures import PROXY, accumulate, forward, packed_rows, proxy_model, wrap_ddp
 
 from models.common import layer_graphs, wgrad_fusion
 from multimodal.config import ConfigError, load_config, validate
@@ -208,9 +208,13 @@ def test_vision_buckets_grow_geometrically():
     assert len({bucket_rows(p, 1024) for p in range(13_000, 23_001)}) == 8
 
 
-@pytest.mark.parametrize("with_decoder, to_main_grad", [(False, False), (True, False), (True, True)])
-def test_graphed_vision_encoder_equals_eager(mcore, with_decoder, to_main_grad):
-    model, ddp, batches = _setup()
+@pytest.mark.parametrize("with_decoder, to_main_grad, config", [
+    (False, False, PROXY), (True, False, PROXY), (True, True, PROXY),
+    (False, True, "configs/qwen35_vl_proxy_moe.yaml"),  # an MoE model: graphed vision, eager decoder
+])
+def test_graphed_vision_encoder_equals_eager(mcore, with_decoder, to_main_grad, config):
+    cfg, model = proxy_model(config=config)
+    ddp, batches = wrap_ddp(model), packed_rows(cfg, [(0, 1), (2,), (3, 4, 5)])
     # 44, 16 and 112 patches -> buckets of 64, 32 and 128 rows
     assert [b["pixel_values"].shape[0] for b in batches] == [44, 16, 112]
     eager_losses, eager_grads = accumulate(ddp, model, batches)
