@@ -182,6 +182,70 @@ def test_grouped_experts_equal_sequential_mlp(mcore, counts):
                 torch.testing.assert_close(ours, theirs, **tol, msg=f"{fc} of expert {e}")
 
 
+def test_expert_weight_gradients_go_into_main_grad(mcore):
+    """Under DDP (a ``main_grad`` and the ``grad_added_to_main_grad`` flag), the backward adds the
+    expert weight gradients into main_grad itself, bit for bit what DDP's hook would add, and flags
+    them so the hook does not add them again; frozen experts compute no weight gradient."""
+    counts = [0, 3, 0, 40, 1, 4]
+    grouped, _ = _experts_pair()
+    torch.manual_seed(1)
+    x, probs = torch.randn(sum(counts), grouped.config.hidden_size), torch.rand(sum(counts))
+    out, dx, dp, want = _run(grouped, x, counts, probs)
+    weights = {"linear_fc1.weight": grouped.linear_fc1.weight, "linear_fc2.weight": grouped.linear_fc2.weight}
+    for w in weights.values():
+        w.main_grad = torch.full_like(w, 0.5)  # a previous micro-batch's sum is added to, not replaced
+        w.grad_added_to_main_grad = False
+    _run(grouped, x, counts, probs)
+    for name, w in weights.items():
+        assert w.grad_added_to_main_grad, name
+        assert torch.equal(w.main_grad, torch.full_like(w, 0.5) + want[name]), name
+        del w.main_grad, w.grad_added_to_main_grad
+    grouped.zero_grad(set_to_none=True)  # the placeholders autograd handed on (DDP's hook drops them)
+    for w in weights.values():
+        w.requires_grad_(False)
+    x2 = x.clone().requires_grad_()
+    y, _ = grouped(x2, torch.tensor(counts), probs)
+    (y * torch.linspace(-1, 1, y.numel()).reshape(y.shape)).sum().backward()
+    assert torch.equal(x2.grad, dx) and all(w.grad is None for w in weights.values())
+
+
+_ACCUMULATE_CHECK = """
+import json, torch
+from kernels import main_grad_accumulate as m
+out = []
+for n in (1, 4095, 4097, 3 * 4096 + 5):
+    torch.manual_seed(n)
+    main = torch.randn(n) * 1e3
+    grad = (torch.randn(n) * 1e-3).to(torch.bfloat16)
+    ref = main.clone()
+    m.accumulate_reference(ref, grad)
+    assert m.available(main, grad) is None
+    m.accumulate_(main, grad)
+    out.append([n, bool(torch.equal(main, ref))])
+print(json.dumps(out))
+"""
+
+
+def test_main_grad_accumulate_kernel_is_bit_exact_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", _ACCUMULATE_CHECK], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [[1, True], [4095, True], [4097, True],
+                                                               [12293, True]]
+
+
+def test_main_grad_accumulate_refuses_what_it_cannot_add():
+    from kernels import main_grad_accumulate as m
+
+    main = torch.zeros(4, 3)
+    assert "bfloat16 is not fp32" in m.available(main.bfloat16(), torch.zeros(4, 3, dtype=torch.bfloat16))
+    assert "shapes differ" in m.available(main, torch.zeros(3, 4, dtype=torch.bfloat16))
+    main.add_(1)
+    m.accumulate_(main, torch.ones(4, 3, dtype=torch.bfloat16))  # the CPU path: torch's add_
+    assert torch.equal(main, torch.full((4, 3), 2.0))
+
+
 def test_moe_act_recompute_is_bit_exact(mcore):
     grouped, _ = _experts_pair()
     counts = [0, 3, 0, 40, 1, 4]
