@@ -1,6 +1,7 @@
 """GPU check of the grouped-GEMM experts: torch's grouped GEMM and the weighted SwiGLU kernel against
 their references (bf16, empty experts included), GroupedExperts against megatron's SequentialMLP,
-and the time of one forward + backward of each at a real layer's shapes.
+the time of one forward + backward of each at a real layer's shapes, and the main_grad
+accumulate kernel against torch's add_ (bit-exact, and the bandwidth of each).
 
     python scripts/check_grouped_experts_gpu.py [--experts 256 --tokens 8192 --topk 8] [--json OUT]
 """
@@ -20,6 +21,7 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 
 from kernels import fused_swiglu as fs  # noqa: E402
+from kernels import main_grad_accumulate as mga  # noqa: E402
 from kernels.grouped_gemm import grouped_mm, grouped_mm_reference  # noqa: E402
 
 
@@ -66,6 +68,21 @@ def check_act(rows: int, f: int) -> dict:
                                "dy": _rel(dy, rdy), "dp": _rel(dp, rdp)}
     out["ok"] = all(v < (1e-5 if k == "float32" else 1e-2) for k, d in out.items() if k != "ok" for v in d.values())
     return out
+
+
+def check_accumulate(numel: int) -> dict:
+    """The main_grad accumulate kernel against torch's add_ (bit-exact) and the bandwidth of each."""
+    main = torch.randn(numel, device="cuda")
+    grad = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
+    ref = main.clone()
+    mga.accumulate_reference(ref, grad)
+    ours = main.clone()
+    mga.accumulate_(ours, grad)
+    gb = numel * 10 / 1e9  # fp32 read + write, bf16 read
+    kernel_ms, add_ms = _time(lambda: mga.accumulate_(main, grad)), _time(lambda: main.add_(grad))
+    return {"numel": numel, "bit_exact": bool(torch.equal(ours, ref)), "kernel_ms": kernel_ms,
+            "torch_add_ms": add_ms, "kernel_tb_per_s": gb / kernel_ms, "torch_add_tb_per_s": gb / add_ms,
+            "ok": bool(torch.equal(ours, ref))}
 
 
 def _time(fn, reps: int = 5) -> float:
@@ -150,8 +167,10 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "gemm": check_gemm(a.experts, a.tokens * a.topk, a.hidden, a.ffn),
               "act": check_act(a.tokens * a.topk, a.ffn),
-              "module": check_module(a.experts, a.tokens, a.topk, a.hidden, a.ffn)}
-    result["ok"] = all(result[k]["ok"] for k in ("gemm", "act", "module"))
+              "module": check_module(a.experts, a.tokens, a.topk, a.hidden, a.ffn),
+              # one layer's fc1 weight gradient of the 35B-A3B shapes
+              "accumulate": check_accumulate(a.experts * 2 * a.ffn * a.hidden)}
+    result["ok"] = all(result[k]["ok"] for k in ("gemm", "act", "module", "accumulate"))
     print(json.dumps(result, indent=1))
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
