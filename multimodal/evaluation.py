@@ -146,9 +146,13 @@ class Evaluator:
         return {"val_loss": loss, "val_tokens": int(tokens), "val_time_s": time.perf_counter() - start}
 
     def _check_wrap(self, loader: MicroBatchIterator) -> None:
-        # the global (unwrapped) index of this rank's next sample: past the set's length, it wrapped
-        if loader.state_dict()["next_index"] > len(self.dataset) and not self._warned_wrap:
+        """Warn (once) when the rows scored took a sample past the set's end, i.e. one a second time
+        (samples read ahead for packing but not used do not count)."""
+        state = loader.state_dict()  # global (unwrapped) indices: this rank's next one, the read-ahead ones
+        pending, dp = set(state["pending"]), ps.get_data_parallel_world_size()
+        used = [i for i in range(ps.get_data_parallel_rank(), state["next_index"], dp) if i not in pending]
+        if used and max(used) >= len(self.dataset) and not self._warned_wrap:
             self._warned_wrap = True
-            log.warning("validation: train.eval_iters=%d global batches read past the end of the %d-sample "
-                        "validation set, so some samples count twice; lower train.eval_iters or add samples",
+            log.warning("validation: train.eval_iters=%d global batches need more samples than the %d of the "
+                        "validation set, so some count twice; lower train.eval_iters or add samples",
                         self.iters, len(self.dataset))

@@ -233,3 +233,32 @@ def test_resume_with_evaluation_reproduces_the_uninterrupted_run(worker):
 
 if __name__ == "__main__":  # the worker: tests/test_evaluation.py OUT_DIR
     _worker(Path(sys.argv[1]))
+
+
+@pytest.mark.slow
+def test_conversations_validation_file_end_to_end(tmp_path):
+    """data.name=conversations with data.valid_path: the proxy trains on one file, scores the other,
+    and the validation loss falls."""
+    from data.tiny_tokenizer import build_tiny_tokenizer
+    from test_conversations import _jsonl, write_synthetic_conversations
+
+    build_tiny_tokenizer(tmp_path / "tok")
+    records = write_synthetic_conversations(tmp_path, n=16)  # images under tmp_path/images
+    train_file, valid_file = _jsonl(tmp_path / "train.jsonl", records[:12]), _jsonl(tmp_path / "valid.jsonl", records[12:])
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "WANDB_MODE"):
+        env.pop(k, None)
+    proc = subprocess.run(
+        [sys.executable, "pretrain_multimodal.py", "--config", "configs/qwen35_vl_proxy_cord.yaml",
+         "data.name=conversations", f"data.path={train_file}", f"data.valid_path={valid_file}",
+         f"data.tokenizer={tmp_path / 'tok'}", "train.iters=6", "train.eval_interval=3", "train.eval_iters=1",
+         "checkpoint.dir=null", f"logging.dir={tmp_path / 'log'}", "logging.progress_bar=false",
+         "data.max_pixels=16384", "train.seq_length=512"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = _by_step([json.loads(x) for x in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()])
+    assert [s for s in rows if "val_loss" in rows[s]] == [3, 6]
+    assert rows[6]["val_loss"] < rows[3]["val_loss"], (rows[3]["val_loss"], rows[6]["val_loss"])
+    assert rows[3]["val_tokens"] == rows[6]["val_tokens"] > 0
+    assert "val_loss" in next(line for line in proc.stderr.splitlines() if "step      6 |" in line)
+    print(proc.stderr[-3000:])
