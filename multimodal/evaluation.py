@@ -73,7 +73,7 @@ class Evaluator:
         if not cfg.train.eval_interval:
             return None
         dataset = build_dataset(cfg.model, valid_data_config(cfg.data), cfg.train.seq_length)
-        log.info("validation: %d samples, %d global batches (%d rows) every %d steps and after the last",
+        log.info("validation: %d samples, %d global batch(es) (%d rows) every %d steps and after the last",
                  len(dataset), cfg.train.eval_iters, cfg.train.eval_iters * cfg.train.global_batch_size,
                  cfg.train.eval_interval)
         return cls(cfg, rt, ddp, optimizer, dtype, num_microbatches, dataset)
@@ -153,6 +153,6 @@ class Evaluator:
         used = [i for i in range(ps.get_data_parallel_rank(), state["next_index"], dp) if i not in pending]
         if used and max(used) >= len(self.dataset) and not self._warned_wrap:
             self._warned_wrap = True
-            log.warning("validation: train.eval_iters=%d global batches need more samples than the %d of the "
+            log.warning("validation: train.eval_iters=%d global batch(es) need more samples than the %d of the "
                         "validation set, so some count twice; lower train.eval_iters or add samples",
                         self.iters, len(self.dataset))
