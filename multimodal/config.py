@@ -189,6 +189,12 @@ class DataConfig:
     # pad every packed sample to a multiple of this (null: what the layout needs: 2*cp, times tp
     # under sequence parallelism); set it to compare runs of different layouts on identical rows
     pad_multiple: int | None = None
+    # validation data (read when train.eval_interval > 0; multimodal/evaluation.py), the same kind
+    # of data set as `name`: conversations: valid_path is a held-out .json/.jsonl file (required);
+    # cord_v2: the valid_split split of valid_path (null: data.path); mock: the generator with seed
+    # data.seed + 1 (valid_path must stay null)
+    valid_path: str | None = None
+    valid_split: str = "validation"
 
 
 @dataclass
@@ -251,6 +257,11 @@ class TrainConfig:
     # Either is noticed at the next log step (logging.interval) or checkpoint.
     on_nonfinite: str = "skip"
     max_nonfinite_steps: int = 10
+    # validation loss (multimodal/evaluation.py) every eval_interval steps and after the last step
+    # (0 = off), over eval_iters global batches (train.global_batch_size rows each) of the
+    # validation data (data.valid_path), the same batches at every evaluation
+    eval_interval: int = 0
+    eval_iters: int = 10
 
 
 @dataclass
@@ -503,6 +514,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     if d.name == "cord_v2":
         _require(bool(d.path), "data.name=cord_v2 needs data.path (the CORD-v2 folder of parquet files)")
         _require(bool(d.tokenizer), "data.name=cord_v2 needs data.tokenizer (a tokenizer directory)")
+    validate_eval(t, d)
     _require(d.target_format in ("json", "donut"), f"data.target_format must be json|donut, got {d.target_format!r}")
     _require(0.0 <= d.max_bad_fraction <= 1.0, "data.max_bad_fraction must be in [0, 1]")
     unit = m.vision.patch_size * m.vision.spatial_merge_size
@@ -576,6 +588,25 @@ def validate(cfg: Config, world_size: int = 1) -> None:
                m.im_end_token_id, m.eos_token_id, m.pad_token_id]
     _require(all(0 <= s < m.vocab_size for s in special),
              f"special token ids {special} must lie inside model.vocab_size ({m.vocab_size})")
+
+
+def validate_eval(t: TrainConfig, d: DataConfig) -> None:
+    """train.eval_interval / eval_iters and the validation data they read."""
+    _require(t.eval_interval >= 0, f"train.eval_interval must be >= 0 (steps between evaluations; 0 = no "
+                                   f"validation), got {t.eval_interval}")
+    _require(t.eval_iters >= 1, f"train.eval_iters must be >= 1 (global batches per evaluation), got {t.eval_iters}")
+    _require(d.valid_path is None or d.name != "mock",
+             f"data.valid_path={d.valid_path!r} is for conversations and cord_v2 data; mock validation draws "
+             "its own held-out samples (seed data.seed + 1): set data.valid_path=null")
+    if not t.eval_interval:
+        return
+    if d.name == "conversations":
+        vp = d.valid_path
+        _require(bool(vp) and Path(vp).suffix in (".json", ".jsonl") and Path(vp).is_file(),
+                 f"train.eval_interval={t.eval_interval} with data.name=conversations needs data.valid_path: an "
+                 f"existing .json or .jsonl file of held-out conversations, got {vp!r} (or set train.eval_interval=0)")
+    if d.name == "cord_v2":
+        _require(bool(d.valid_split), "data.valid_split must name the cord_v2 split to validate on (e.g. validation)")
 
 
 def validate_layout(m: ModelConfig, p: ParallelConfig) -> None:

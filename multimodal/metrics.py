@@ -112,6 +112,8 @@ def console_line(step: int, m: dict) -> str:
         f"{_num(m.get('tflops_per_gpu'), '.3g')} TFLOP/s/GPU | mfu {_fmt(m.get('mfu'))} | "
         f"peak mem {_num(m.get('mem_peak_gib'), '.2f')} GiB"
     )
+    if "val_loss" in m:  # a step that evaluated (multimodal/evaluation.py)
+        line += f" | val_loss {_num(m.get('val_loss'), '.4f')} ({m.get('val_tokens', '?')} tokens)"
     if m.get("skipped_steps"):
         line += f" | skipped {m['skipped_steps']} (non-finite; {m.get('skipped_total', '?')} in all)"
     return line

@@ -33,6 +33,7 @@ from models import get_model_builder
 from multimodal import checkpointing, flat_adamw, multi_tensor, oom_advice, overlap_update, platform
 from multimodal.config import Config, ConfigError, resolve_sources, validate
 from multimodal.errors import NonFiniteError
+from multimodal.evaluation import Evaluator
 from multimodal.flops import device_peak_tflops, training_flops
 from multimodal.forward_step import ForwardStep
 from multimodal.loss import masked_token_loss
@@ -339,6 +340,7 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
     saves = AsyncSaves() if ck.dir and use_async else None
     if saves is not None:
         saves.on_sigterm()
+    evaluator = Evaluator.build(cfg, rt, ddp, optimizer, dtype, num_microbatches)  # None: no validation
 
     def flush_log():
         nonlocal pending
@@ -388,12 +390,16 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
             # behind them: reading them at their own step would drain the GPU, and the next
             # step would start on an idle device while the host prepares its batch
             flush_log()
-            if it % cfg.logging.interval == 0 or it == t.iters:
+            evaluating = evaluator is not None and evaluator.due(it)  # a step that evaluates is logged
+            if it % cfg.logging.interval == 0 or it == t.iters or evaluating:
                 pending = _start_log(it, report, grad_norm, scheduler, window, clock, model, rt,
                                      t.global_batch_size * t.seq_length, overlap, guard.counters)
                 pending.host.update(_data_counts(batches))
                 report.zero_()  # (queued after the copies _start_log made of it)
                 window = _Window()
+            if evaluating:  # its val_* metrics go into this step's log row
+                pending.host.update(evaluator.run(it))
+                clock.mark()  # the evaluation's time stays out of the next log window's step time
             if ck.dir and ((ck.interval and it % ck.interval == 0) or (it == t.iters and ck.save_at_end)):
                 if overlap is not None:
                     overlap.finish()  # the saved parameters and moments are this step's
@@ -561,7 +567,7 @@ def _emit(p: _PendingLog, peak, sink: MetricsSink, result: TrainResult, guard: N
         # real tokens / tokens processed (padding included): how full the packed rows were
         "real_token_fraction": totals[2] / max(p.host["processed_tokens"], 1),
     }
-    metrics.update({k: v for k, v in p.host.items() if k.startswith(("cuda_graph", "rows_"))})
+    metrics.update({k: v for k, v in p.host.items() if k.startswith(("cuda_graph", "rows_", "val_"))})
     error = None
     if guard is not None:
         guard_metrics, error = guard.review(p.it, totals[6:])

@@ -392,3 +392,17 @@ def test_pp2_stages_build_their_layers_and_start_with_equal_tied_embeddings(tmp_
     assert results[0]["numbers"] == [1, 2] and results[1]["numbers"] == [3, 4], results
     assert results[0]["has_vision"] and not results[1]["has_vision"]
     assert results[1]["tied_equal"] and results[1]["weight_norm"] > 0, results
+
+
+@pytest.mark.slow
+def test_pp2_validation_matches_one_process(tmp_path, dense_init):
+    """The validation loss under pipeline parallelism (forward-only schedule, loss on the last
+    stage broadcast to the first) equals one process's, and training is the same as without it."""
+    over = [*PACKED, f"checkpoint.load={dense_init}", "train.eval_interval=2", "train.eval_iters=2"]
+    ref = _run(tmp_path / "one", DENSE, *over)
+    got = _run(tmp_path / "pp2", DENSE, *over, "parallel.pp=2", nproc=2)
+    _compare(ref, got, "parallel.pp=2 with validation")
+    for s in (2, 4):
+        assert got[s]["val_tokens"] == ref[s]["val_tokens"] > 0, s
+        assert abs(got[s]["val_loss"] - ref[s]["val_loss"]) <= LOSS_TOL, (s, ref[s]["val_loss"], got[s]["val_loss"])
+    print(f"PARITY pp=2 validation: val_loss {ref[4]['val_loss']} vs {got[4]['val_loss']}")

@@ -1,0 +1,158 @@
+"""Validation loss: ``train.eval_interval`` steps apart and after the last step.
+
+    evaluator = Evaluator.build(cfg, rt, ddp, optimizer, dtype, num_microbatches)  # None when off
+    if evaluator is not None and evaluator.due(it):
+        metrics = evaluator.run(it)   # {"val_loss": ..., "val_tokens": ..., "val_time_s": ...}
+
+What one evaluation does:
+- Data: ``train.eval_iters`` global batches of the validation set (``valid_data_config``: the same
+  kind of data set as training, held out), read by a fresh loader from the set's start every time,
+  so every evaluation scores the same samples and the numbers compare. Data-parallel ranks shard
+  the samples and pack their rows as training does; the training loader is never touched.
+- Forward only: megatron's forward_backward_func with ``forward_only=True`` (any pipeline layout),
+  under ``torch.no_grad`` with the model in eval mode, the modules' own modes restored afterwards.
+- Loss: the training loss's definition: per micro-batch the sum of masked token losses and the
+  token count (multimodal/loss.py), summed over micro-batches on the device, broadcast from the last
+  pipeline stage, summed over context- and data-parallel ranks; val_loss = sum / tokens, i.e. the
+  mean over every supervised token evaluated. One host read per evaluation, none per micro-batch.
+- Training is unchanged by it (tested bit for bit on the CPU): the RNG states (Python, numpy,
+  torch, CUDA, megatron's tracker) are saved before and restored after; the optimizer step that may
+  still run behind the forward (optimizer.overlap_step) is finished first, as before a checkpoint;
+  no gradient is computed, so no gradient buffer changes. CUDA graphs (train.cuda_graphs): the
+  decoder and vision routers refuse to replay outside training (no grad / eval mode) before they
+  load anything into their static buffers, so evaluation runs the eager layers and the captured
+  graphs and their buffers are left as they were; the eager micro-batches of evaluation are taken
+  back out of the routers' cuda_graph_eager_batches counts, which report training steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from data.loader import MicroBatchIterator, build_dataset
+from multimodal import checkpointing
+from multimodal.forward_step import ForwardStep
+
+log = logging.getLogger(__name__)
+
+
+def valid_data_config(data_cfg):
+    """The data section the validation set is built from: the training data's, with the held-out
+    source (see DataConfig.valid_path)."""
+    d = data_cfg
+    if d.name == "conversations":
+        return dataclasses.replace(d, path=d.valid_path)
+    if d.name == "cord_v2":
+        return dataclasses.replace(d, path=d.valid_path or d.path, split=d.valid_split)
+    if d.name == "mock":  # samples are functions of (seed, index): another seed, other samples
+        return dataclasses.replace(d, seed=d.seed + 1)
+    raise ValueError(f"no validation data for data.name={d.name!r}")
+
+
+class Evaluator:
+    def __init__(self, cfg, rt, ddp, optimizer, dtype, num_microbatches: int, dataset):
+        self.cfg, self.rt, self.ddp, self.optimizer, self.dtype = cfg, rt, ddp, optimizer, dtype
+        self.num_microbatches = num_microbatches
+        self.dataset = dataset
+        self.interval, self.iters, self.last = cfg.train.eval_interval, cfg.train.eval_iters, cfg.train.iters
+        self.fwd = get_forward_backward_func()
+        self._warned_wrap = False
+
+    @classmethod
+    def build(cls, cfg, rt, ddp, optimizer, dtype, num_microbatches: int) -> Evaluator | None:
+        """None when ``train.eval_interval`` is 0. The validation set is opened here, at start-up,
+        so a missing file stops the run before the first step, not at the first evaluation."""
+        if not cfg.train.eval_interval:
+            return None
+        dataset = build_dataset(cfg.model, valid_data_config(cfg.data), cfg.train.seq_length)
+        log.info("validation: %d samples, %d global batch(es) (%d rows) every %d steps and after the last",
+                 len(dataset), cfg.train.eval_iters, cfg.train.eval_iters * cfg.train.global_batch_size,
+                 cfg.train.eval_interval)
+        return cls(cfg, rt, ddp, optimizer, dtype, num_microbatches, dataset)
+
+    def due(self, it: int) -> bool:
+        return it % self.interval == 0 or it == self.last
+
+    def _loader(self) -> MicroBatchIterator:
+        """A fresh pass from the validation set's start (rank r reads samples r, r + DP, ...)."""
+        from multimodal.training import sequence_pad_multiple  # (the trainer imports this module)
+
+        cfg, m, t = self.cfg, self.cfg.model, self.cfg.train
+        return MicroBatchIterator(
+            self.dataset, t.seq_length, m.pad_token_id, m.image_token_id, m.vision.spatial_merge_size,
+            cfg.data.pack, t.micro_batch_size, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
+            max_bad_fraction=cfg.data.max_bad_fraction, num_workers=cfg.data.num_workers,
+            pad_multiple=sequence_pad_multiple(cfg), pack_lookahead=cfg.data.pack_lookahead,
+        )
+
+    def _forward_step(self) -> ForwardStep:
+        m = self.cfg.model
+        return ForwardStep(self.rt.device, self.dtype, cp_size=ps.get_context_parallel_world_size(),
+                           cp_rank=ps.get_context_parallel_rank(), cp_group=ps.get_context_parallel_group(),
+                           image_token_id=m.image_token_id, cp_split_vision=self.cfg.parallel.cp_split_vision,
+                           merge=m.vision.spatial_merge_size, sparse_lm_head=m.sparse_lm_head and m.fused_linear_ce)
+
+    def run(self, it: int) -> dict:
+        """One evaluation with the current weights -> {val_loss, val_tokens, val_time_s} (every rank)."""
+        start = time.perf_counter()
+        overlap = getattr(self.optimizer, "update_overlap", None)
+        if overlap is not None:
+            overlap.finish()  # the parameters are this step's
+        rng = checkpointing._rng_state()
+        model = self.ddp.module
+        routers = [g for g in (getattr(model, "decoder_graphs", None), getattr(model, "vision_graphs", None))
+                   if g is not None]
+        eager_counts = [Counter(g.eager_batches) for g in routers]
+        modes = [(module, module.training) for module in self.ddp.modules()]
+        loader = self._loader()
+        report = torch.zeros(2, device=self.rt.device)  # [loss_sum, tokens], as training's
+        self.ddp.eval()
+        try:
+            with torch.no_grad():
+                for _ in range(self.iters):
+                    outputs = self.fwd(forward_step_func=self._forward_step(), data_iterator=loader, model=[self.ddp],
+                                       num_microbatches=self.num_microbatches, seq_length=self.cfg.train.seq_length,
+                                       micro_batch_size=self.cfg.train.micro_batch_size, forward_only=True)
+                    for out in outputs:  # (none on pipeline stages without the loss)
+                        report += out["lm loss"]
+        finally:
+            for module, training in modes:
+                module.training = training
+            for g, before in zip(routers, eager_counts):
+                # keep the reasons (a reason already seen is not warned about again), not the counts
+                for reason in g.eager_batches:
+                    g.eager_batches[reason] = before.get(reason, 0)
+            checkpointing._set_rng_state(rng)
+        self._check_wrap(loader)
+        # the reductions of training's loss (training._start_log): last pipeline stage -> all
+        # stages, then the sum over context-parallel and data-parallel ranks
+        if ps.get_pipeline_model_parallel_world_size() > 1:
+            dist.broadcast(report, src=ps.get_pipeline_model_parallel_last_rank(),
+                           group=ps.get_pipeline_model_parallel_group())
+        if ps.get_context_parallel_world_size() > 1:
+            dist.all_reduce(report, group=ps.get_context_parallel_group())
+        totals = report.double()
+        dist.all_reduce(totals, group=ps.get_data_parallel_group())
+        loss_sum, tokens = totals.tolist()  # the one host read of the evaluation
+        loss = loss_sum / tokens if tokens > 0 else float("nan")
+        return {"val_loss": loss, "val_tokens": int(tokens), "val_time_s": time.perf_counter() - start}
+
+    def _check_wrap(self, loader: MicroBatchIterator) -> None:
+        """Warn (once) when the rows scored took a sample past the set's end, i.e. one a second time
+        (samples read ahead for packing but not used do not count)."""
+        state = loader.state_dict()  # global (unwrapped) indices: this rank's next one, the read-ahead ones
+        pending, dp = set(state["pending"]), ps.get_data_parallel_world_size()
+        used = [i for i in range(ps.get_data_parallel_rank(), state["next_index"], dp) if i not in pending]
+        if used and max(used) >= len(self.dataset) and not self._warned_wrap:
+            self._warned_wrap = True
+            log.warning("validation: train.eval_iters=%d global batch(es) need more samples than the %d of the "
+                        "validation set, so some count twice; lower train.eval_iters or add samples",
+                        self.iters, len(self.dataset))
