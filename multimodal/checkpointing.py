@@ -278,7 +278,8 @@ def _adapters_not_in(path: Path, sharded: dict) -> set[str]:
     if not adapters:
         return set()
     saved = dist_checkpointing.load_tensors_metadata(str(path))
-    return {k for k in adapters if sharded[k].key not in saved}
+    # an adapter split like its base weight may be stored as several tensors (fc1's gate / up, GDN in_proj)
+    return {k for k in adapters if not set(checks.expected_shapes({k: sharded[k]})) & set(saved)}
 
 
 def _prime_distributed_optimizer_state(optimizer) -> None:
