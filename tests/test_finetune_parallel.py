@@ -64,16 +64,21 @@ def test_lora_tp2_sp_matches_one_process_and_exports_the_same_adapters(tmp_path,
     assert all(peft1[k].abs().max() > 0 for k in peft1)  # B trained away from zero, A non-zero
     # fp32 reduction-order noise, amplified by Adam, stays far below the adapters' own size
     worst = max(float((peft2[k] - peft1[k]).norm() / peft1[k].norm()) for k in peft1)
-    assert worst < 1e-2, worst
     assert sorted(merged1) == sorted(merged2)
-    assert max(float((merged2[k] - merged1[k]).abs().max()) for k in merged1) < 1e-4
+    merged_diff = max(float((merged2[k] - merged1[k]).abs().max()) for k in merged1)
+    print(f"EXPORT lora tp2+sp vs tp1: adapters worst rel. diff {worst:.3g}, merged max |diff| {merged_diff:.3g}")
+    assert worst < 1e-2, worst
+    assert merged_diff < 1e-4, merged_diff
 
 
 @pytest.mark.slow
-def test_lora_pp2_matches_one_process(tmp_path, base_init, lora_ref):
-    """Each stage adapts its own layers (A seeded by the global layer number)."""
-    got = _run(tmp_path, DENSE, *PACKED, *LORA, f"checkpoint.load={base_init}", "parallel.pp=2", nproc=2)
-    _compare(lora_ref[1], got, "lora pp2")
+@pytest.mark.parametrize("layout", [["parallel.pp=2"], ["parallel.tp=2"]], ids=["pp2", "tp2"])
+def test_lora_pp2_and_tp2_match_one_process(tmp_path, base_init, lora_ref, layout):
+    """PP=2: each stage adapts its own layers (A seeded by the global layer number). TP=2 without
+    sequence parallelism: the r-wide products all-reduced (row layers) or their gradient
+    all-reduced (column layers) instead of reduce-scattered / gathered."""
+    got = _run(tmp_path, DENSE, *PACKED, *LORA, f"checkpoint.load={base_init}", *layout, nproc=2)
+    _compare(lora_ref[1], got, "lora " + "+".join(layout))
 
 
 @pytest.mark.slow
