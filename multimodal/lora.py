@@ -11,7 +11,7 @@ fc1 and fc2). Routed experts are refused (their weights are one grouped tensor p
 
 Any tensor / pipeline / context-parallel layout: each adapter splits over TP the way its base
 layer does (models/common/lora.py) and is stored in checkpoints as the full matrix, so a run,
-its resume and the HF / PEFT export do not depend on the layout; A is drawn per layer from
+its weights and the HF / PEFT export do not depend on the layout; A is drawn per layer from
 (the run's seed, the layer's global name), so every layout starts from the same adapters.
 """
 
