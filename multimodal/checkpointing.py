@@ -278,7 +278,8 @@ def _adapters_not_in(path: Path, sharded: dict) -> set[str]:
     if not adapters:
         return set()
     saved = dist_checkpointing.load_tensors_metadata(str(path))
-    return {k for k in adapters if sharded[k].key not in saved}
+    # an adapter split like its base weight may be stored as several tensors (fc1's gate / up, GDN in_proj)
+    return {k for k in adapters if not set(checks.expected_shapes({k: sharded[k]})) & set(saved)}
 
 
 def _prime_distributed_optimizer_state(optimizer) -> None:
@@ -351,7 +352,11 @@ def check_loadable(path: Path, model, model_config: dict | None = None) -> dict:
     from megatron.core import parallel_state as ps
 
     whole = not ps.model_parallel_is_initialized() or ps.get_pipeline_model_parallel_world_size() == 1
-    mismatch = checks.shape_mismatch(path, checks.expected_shapes({"model": model.sharded_state_dict()}), stored,
+    sharded = model.sharded_state_dict()
+    if trainer.get("weights_only"):  # a base-only checkpoint under model.lora: the adapters start fresh
+        fresh = _adapters_not_in(path, sharded)
+        sharded = {k: v for k, v in sharded.items() if k not in fresh}
+    mismatch = checks.shape_mismatch(path, checks.expected_shapes({"model": sharded}), stored,
                                      model_config, whole_model=whole)
     if mismatch is not None:
         raise mismatch

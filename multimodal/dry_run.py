@@ -231,9 +231,10 @@ def mlp_params(m: ModelConfig, tp: int, ep: int) -> tuple[int, int]:
     return dense, experts
 
 
-def lora_params(m: ModelConfig, n_gdn: int, n_attn: int) -> int:
-    """Adapter parameters (rank x (in + out) per adapted layer, TP = 1) of ``model.lora`` on
-    ``n_gdn`` GDN and ``n_attn`` attention layers (multimodal/lora.py's targets)."""
+def lora_params(m: ModelConfig, n_gdn: int, n_attn: int, tp: int = 1) -> int:
+    """Adapter parameters on one TP rank of ``model.lora`` on ``n_gdn`` GDN and ``n_attn``
+    attention layers (multimodal/lora.py's targets): rank x (in + out / tp) per column-parallel
+    layer (A whole, B split), rank x (in / tp + out) per row-parallel one (A split, B whole)."""
     lora = getattr(m, "lora", None)
     if lora is None or not lora.rank:
         return 0
@@ -241,14 +242,15 @@ def lora_params(m: ModelConfig, n_gdn: int, n_attn: int) -> int:
     qk = m.linear_num_key_heads * m.linear_key_head_dim
     v = m.linear_num_value_heads * m.linear_value_head_dim
     q, kv = m.num_attention_heads * m.head_dim, m.num_query_groups * m.head_dim
-    gdn = ("in_proj" in t) * (h + 2 * qk + 2 * v + 2 * m.linear_num_value_heads) + ("out_proj" in t) * (v + h)
-    attn = ("linear_qkv" in t) * (h + 2 * q + 2 * kv) + ("linear_proj" in t) * (q + h)
+    gdn = (("in_proj" in t) * (h + (2 * qk + 2 * v + 2 * m.linear_num_value_heads) // tp)
+           + ("out_proj" in t) * (v // tp + h))
+    attn = ("linear_qkv" in t) * (h + (2 * q + 2 * kv) // tp) + ("linear_proj" in t) * (q // tp + h)
     if m.num_experts:
         s = m.moe_shared_expert_intermediate_size or 0
-        mlp = ("shared_experts" in t) * bool(s) * (h + 2 * s + s + h)
+        mlp = ("shared_experts" in t) * bool(s) * (h + 2 * s // tp + s // tp + h)
     else:
         f = m.ffn_hidden_size
-        mlp = ("linear_fc1" in t) * (h + 2 * f) + ("linear_fc2" in t) * (f + h)
+        mlp = ("linear_fc1" in t) * (h + 2 * f // tp) + ("linear_fc2" in t) * (f // tp + h)
     return lora.rank * (n_gdn * (gdn + mlp) + n_attn * (attn + mlp))
 
 
@@ -306,7 +308,7 @@ def stage_params(m: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1, stage: i
     lora = getattr(m, "lora", None)
     if lora is not None and lora.rank:  # model.lora: every base weight frozen, the adapters train
         frozen = sum(parts.values())
-        parts["lora"] = lora_params(m, n_gdn, n_attn)
+        parts["lora"] = lora_params(m, n_gdn, n_attn, tp)
         return StageParams(stage, n_gdn, n_attn, parts, parts["experts"], frozen, parts["experts"])
     return StageParams(stage, n_gdn, n_attn, parts, parts["experts"], frozen,
                        parts["experts"] if "language" in freeze else 0)

@@ -8,6 +8,11 @@ itself is ``models/common/lora.py``.
 Targets name the layers of a decoder layer: linear_qkv / linear_proj (full attention), in_proj /
 out_proj (GDN), linear_fc1 / linear_fc2 (dense MLP), shared_experts (the MoE shared expert's
 fc1 and fc2). Routed experts are refused (their weights are one grouped tensor per layer).
+
+Any tensor / pipeline / context-parallel layout: each adapter splits over TP the way its base
+layer does (models/common/lora.py) and is stored in checkpoints as the full matrix, so a run,
+its weights and the HF / PEFT export do not depend on the layout; A is drawn per layer from
+(the run's seed, the layer's global name), so every layout starts from the same adapters.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import re
 
 import torch
 
-from models.common.lora import add_adapter, is_adapter_param
+from models.common.lora import add_adapter, is_adapter_param, shard_adapters
 
 # target -> the module path inside a decoder layer
 TARGETS = {
@@ -31,7 +36,7 @@ TARGETS = {
 _LAYER = re.compile(r"^language_model\.decoder\.layers\.\d+\.(.+)$")
 
 
-def check_lora(lora, tp: int, cuda_graphs: bool) -> str | None:
+def check_lora(lora, tp: int, cuda_graphs: bool) -> str | None:  # tp: any (kept for the caller)
     """Why this ``model.lora`` cannot run (None when it can); the text starts with the field."""
     if lora.rank < 0:
         return f"rank must be >= 0 (0 = off), got {lora.rank}"
@@ -47,9 +52,6 @@ def check_lora(lora, tp: int, cuda_graphs: bool) -> str | None:
     unknown = sorted(set(lora.targets) - set(TARGETS))
     if unknown:
         return f"targets: unknown {unknown}; choose from {list(TARGETS)}"
-    if tp > 1:
-        return (f"rank: LoRA runs with parallel.tp=1 only (the adapters are not split across tensor-parallel "
-                f"ranks yet), got parallel.tp={tp}; use tp=1 or model.lora.rank=0")
     if cuda_graphs:
         return "rank: cannot be combined with train.cuda_graphs yet; set train.cuda_graphs=false"
     return None
@@ -63,18 +65,38 @@ def _wanted(targets: list[str]) -> set[str]:
     return out
 
 
-def apply_lora(model: torch.nn.Module, lora) -> str:
-    """Add the adapters of ``lora`` (a LoRAConfig with rank > 0) to ``model`` and freeze every
-    other weight; returns the log line (adapted layers, trainable parameters)."""
+def apply_lora(model: torch.nn.Module, lora, seed: int | None = None) -> str:
+    """Add the adapters of ``lora`` (a LoRAConfig with rank > 0) to ``model`` (one pipeline stage,
+    any TP) and freeze every other weight; returns the log line (adapted layers, trainable
+    parameters). ``seed`` (default: torch's initial seed, which seed_everything sets to the
+    run's seed on every rank) seeds each layer's A with the layer's global name."""
+    if seed is None:
+        seed = torch.initial_seed()
     wanted = _wanted(lora.targets)
-    adapted = [m for name, m in model.named_modules()
-               if (hit := _LAYER.match(name)) and hit.group(1) in wanted]
-    for m in adapted:
-        add_adapter(m, lora.rank, lora.alpha, lora.dropout)
+    layers = model.language_model.decoder.layers if getattr(model, "language_model", None) is not None else []
+    adapted = 0
+    for name, m in list(model.named_modules()):
+        hit = _LAYER.match(name)
+        if not hit or hit.group(1) not in wanted:
+            continue
+        layer = layers[int(name.split(".")[3])]
+        global_name = f"language_model.decoder.layers.{layer.layer_number - 1}.{hit.group(1)}"
+        add_adapter(m, lora.rank, lora.alpha, lora.dropout, global_name, seed)
+        if not getattr(layer, "_lora_sharded", False):  # the split matrices stored like their base weights
+            layer.sharded_state_dict = _with_sharded_adapters(layer.sharded_state_dict)
+            layer._lora_sharded = True
+        adapted += 1
     trainable = total = 0
     for name, p in model.named_parameters():
         p.requires_grad_(is_adapter_param(name))
         trainable += p.numel() if p.requires_grad else 0
         total += p.numel()
-    return (f"LoRA rank {lora.rank} alpha {lora.alpha} on {len(adapted)} layers ({', '.join(lora.targets)}): "
+    return (f"LoRA rank {lora.rank} alpha {lora.alpha} on {adapted} layers ({', '.join(lora.targets)}): "
             f"trainable parameters on this rank {trainable:,} of {total:,} (base weights frozen)")
+
+
+def _with_sharded_adapters(sharded_state_dict):
+    def wrapped(*args, **kwargs):
+        return shard_adapters(sharded_state_dict(*args, **kwargs))
+
+    return wrapped

@@ -102,7 +102,7 @@ def test_lora_requests_are_checked():
     refused([*LORA, "model.lora.dropout=1.0"], r"model\.lora\.dropout")
     refused([*LORA, "model.lora.alpha=0"], r"model\.lora\.alpha")
     refused(["model.lora.rank=-1"], r"model\.lora\.rank")
-    refused([*LORA, "parallel.tp=2"], r"model\.lora\.rank: LoRA runs with parallel\.tp=1")
+    validate(load_config(PROXY, [*LORA, "parallel.tp=2", "parallel.sequence_parallel=true"]), world_size=2)
 
 
 def test_merged_export_matches_the_lora_model(mcore, tmp_path):
