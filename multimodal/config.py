@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from multimodal.errors import ConfigError  # noqa: F401 - re-exported: callers import it from here
+from core.errors import ConfigError  # noqa: F401 - re-exported: callers import it from here
 
 
 @dataclass

@@ -29,7 +29,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from multimodal.errors import NonFiniteError
+from core.errors import NonFiniteError
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from data.prefetch import Prefetcher
 from models import get_model_builder
 from multimodal import checkpointing, flat_adamw, multi_tensor, oom_advice, overlap_update, platform
 from multimodal.config import Config, ConfigError, resolve_sources, validate
-from multimodal.errors import NonFiniteError
+from core.errors import NonFiniteError
 from multimodal.flops import device_peak_tflops, training_flops
 from multimodal.forward_step import ForwardStep
 from multimodal.loss import masked_token_loss
@@ -41,7 +41,8 @@ from multimodal.async_saves import AsyncSaves
 from multimodal.metrics import MetricsSink
 from multimodal.nonfinite import NonFiniteGuard, weights_finite
 from models.common import layer_graphs, wgrad_fusion
-from multimodal.platform import Runtime, init_distributed, seed_everything, use_deterministic_algorithms
+from multimodal.platform import Runtime, init_distributed, use_deterministic_algorithms
+from core.seeding import seed_everything
 from multimodal.freeze import describe as describe_freeze
 from multimodal.freeze import freeze
 from multimodal.lora import apply_lora

@@ -51,7 +51,8 @@ MODEL_CONFIG_FILE = "model_config.json"
 def _init():
     from megatron.core import parallel_state as ps
 
-    from multimodal.platform import init_distributed, seed_everything
+    from multimodal.platform import init_distributed
+    from core.seeding import seed_everything
 
     init_distributed()
     ps.initialize_model_parallel(1, 1)

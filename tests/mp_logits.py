@@ -35,7 +35,8 @@ def main() -> None:
     from models.qwen35_vl.parity import parity_inputs
     from multimodal import checkpointing
     from multimodal.config import ParallelConfig
-    from multimodal.platform import init_distributed, seed_everything
+    from multimodal.platform import init_distributed
+    from core.seeding import seed_everything
     from scripts.convert_hf import model_config_of_checkpoint
 
     init_distributed()

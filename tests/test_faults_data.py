@@ -14,7 +14,7 @@ from data.cord_v2 import CordV2Dataset
 from data.loader import MicroBatchIterator
 from fault_helpers import run_cli
 from multimodal.config import DataConfig, ModelConfig
-from multimodal.errors import DataError
+from core.errors import DataError
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from multimodal.config import ConfigError, load_config, validate
 
 def test_static_batch_pads_segments_and_chunk_table():
     from kernels.gated_delta_rule import GDNVarlen
-    from multimodal.context_parallel import PackedRowParams
+    from models.common.packed_seq import PackedRowParams
 
     cu = torch.tensor([0, 10, 300, 384], dtype=torch.int32)
     varlen = GDNVarlen.from_host(cu, "cpu")

@@ -82,7 +82,7 @@ def _save_init_weights(out: Path, config: str, overrides: list[str]) -> Path:
     from models import get_model_builder
     from multimodal import checkpointing
     from multimodal.config import ParallelConfig, load_config, resolve_sources
-    from multimodal.platform import seed_everything
+    from core.seeding import seed_everything
     from multimodal.training import checkpoint_meta
 
     cfg = resolve_sources(load_config(config, overrides))
@@ -347,7 +347,8 @@ sys.path.insert(0, sys.argv[1])
 from megatron.core import parallel_state as ps
 from models import get_model_builder
 from multimodal.config import ParallelConfig, load_config
-from multimodal.platform import init_distributed, seed_everything
+from multimodal.platform import init_distributed
+from core.seeding import seed_everything
 
 init_distributed()
 ps.initialize_model_parallel(pipeline_model_parallel_size=2)

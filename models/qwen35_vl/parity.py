@@ -95,7 +95,7 @@ def run_parity(hf_dir, dtype: str = "fp32", seed: int = 0) -> dict:
         use_hf_torch_kernels()
 
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    from multimodal.platform import seed_everything
+    from core.seeding import seed_everything
 
     seed_everything(seed)
     ours, m = build_from_hf(hf_dir, torch_dtype)

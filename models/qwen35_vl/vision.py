@@ -20,8 +20,8 @@ from torch import nn
 
 from kernels import fused_mrope
 from models.common.attention import attention
-from models.common.transfer import to_device_async
-from models.qwen35_vl.mrope import apply_rotary
+from core.transfer import to_device_async
+from kernels.rotary import apply_rotary
 
 
 @dataclass
