@@ -15,7 +15,8 @@ import torch
 
 from data.chat import encode_conversation, special_token_ids
 from data.tiny_tokenizer import build_tiny_tokenizer
-from multimodal.config import DataConfig, ModelConfig
+from models.qwen35_vl.config import ModelConfig
+from multimodal.config import DataConfig
 
 SEQ = 1024
 PIXELS = dict(min_pixels=1024, max_pixels=16384)  # small images keep each test at a second or two

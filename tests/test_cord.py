@@ -16,7 +16,8 @@ from data.collate import pad_bshd
 from data.cord_v2 import CordV2Dataset, donut_tokens, smart_resize
 from data.tiny_tokenizer import QWEN_SPECIAL_TOKENS, build_tiny_tokenizer
 from models.qwen35_vl.mrope import mrope_position_ids
-from multimodal.config import DataConfig, ModelConfig
+from models.qwen35_vl.config import ModelConfig
+from multimodal.config import DataConfig
 
 MERGE = 2
 SEQ = 1024

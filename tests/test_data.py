@@ -13,7 +13,8 @@ from data.image import patchify
 from data.loader import MicroBatchIterator, build_dataset
 from data.mock import MockDataset
 from models.qwen35_vl.mrope import mrope_position_ids
-from multimodal.config import DataConfig, ModelConfig
+from models.qwen35_vl.config import ModelConfig
+from multimodal.config import DataConfig
 
 M = ModelConfig()
 D = DataConfig()

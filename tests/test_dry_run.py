@@ -96,7 +96,7 @@ def _worker(out: str) -> None:
     from megatron.core import parallel_state as ps
 
     from models import get_model_builder
-    from multimodal.config import ParallelConfig
+    from models.common.parallel_config import ParallelConfig
     from multimodal.platform import init_distributed
     from core.seeding import seed_everything
 

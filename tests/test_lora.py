@@ -115,7 +115,8 @@ def test_merged_export_matches_the_lora_model(mcore, tmp_path):
     from models.qwen35_vl.mrope import mrope_position_ids
     from models.qwen35_vl.parity import parity_inputs, use_hf_torch_kernels
     from multimodal import checkpointing
-    from multimodal.config import LoRAConfig, ParallelConfig
+    from models.common.parallel_config import ParallelConfig
+    from models.qwen35_vl.config import LoRAConfig
     from multimodal.lora import apply_lora
     from core.seeding import seed_everything
 
@@ -173,7 +174,7 @@ def test_merged_export_matches_the_lora_model(mcore, tmp_path):
 @pytest.mark.parametrize("config", [PROXY, MOE])
 def test_dry_run_counts_the_adapters_exactly(mcore, config):
     from models.qwen35_vl.model import build
-    from multimodal.config import ParallelConfig
+    from models.common.parallel_config import ParallelConfig
     from multimodal.dry_run import check_layout, stage_memory, stage_params
     from multimodal.lora import apply_lora
     from core.seeding import seed_everything

@@ -81,7 +81,8 @@ def _save_init_weights(out: Path, config: str, overrides: list[str]) -> Path:
     """A weights-only checkpoint of the one-process init of ``config`` (in this process, world 1)."""
     from models import get_model_builder
     from multimodal import checkpointing
-    from multimodal.config import ParallelConfig, load_config, resolve_sources
+    from models.common.parallel_config import ParallelConfig
+    from multimodal.config import load_config, resolve_sources
     from core.seeding import seed_everything
     from multimodal.training import checkpoint_meta
 
@@ -346,7 +347,8 @@ import json, sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
 from megatron.core import parallel_state as ps
 from models import get_model_builder
-from multimodal.config import ParallelConfig, load_config
+from models.common.parallel_config import ParallelConfig
+from multimodal.config import load_config
 from multimodal.platform import init_distributed
 from core.seeding import seed_everything
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from data.image import patchify
 from models.qwen35_vl.hf import hf_to_ours, load_hf_state_dict, model_config_from_hf, ours_to_hf
 from models.qwen35_vl.mrope import mrope_position_ids
-from multimodal.config import ParallelConfig
+from models.common.parallel_config import ParallelConfig
 
 THRESHOLDS = {"fp32": {"logits": 1e-4, "loss": 1e-5, "grad": 1e-3},
               "bf16": {"logits": 1e-1, "loss": 1e-2, "grad": 1e-1}}
