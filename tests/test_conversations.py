@@ -186,7 +186,7 @@ def test_config_names_the_field(tmp_path, tok_dir):
 
 
 def test_inspect_json_prints_ids_and_grids(tmp_path, tok_dir, tok, capsys):
-    from data.inspect import main as inspect_main
+    from multimodal.inspect_data import main as inspect_main
 
     path = _jsonl(tmp_path / "train.jsonl", write_synthetic_conversations(tmp_path, n=3))
     rc = inspect_main(["--config", "configs/qwen35_vl_proxy_cord.yaml", "--num", "3", "--json", "data.name=conversations",

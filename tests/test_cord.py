@@ -397,7 +397,7 @@ def test_training_runs_on_cord_format_data(tmp_path):
 
 
 def test_inspect_json_shows_exactly_the_supervised_answer(cord, tok, tmp_path, capsys):
-    from data.inspect import main as inspect_main
+    from multimodal.inspect_data import main as inspect_main
 
     tok.save_pretrained(tmp_path / "tok")
     rc = inspect_main(["--config", "configs/qwen35_vl_proxy_cord.yaml", "--num", "2", "--json",

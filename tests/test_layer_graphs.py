@@ -167,7 +167,7 @@ def _assert_rounding_close(grads, want):
 
 
 def test_vision_bucket_pads_segments_and_positions():
-    from models.qwen35_vl.vision import VisionGeometry
+    from models.qwen35_vl.vision_geometry import VisionGeometry
     from models.qwen35_vl.vision_graphs import _Bucket
 
     cu = torch.tensor([0, 16, 44], dtype=torch.int32)
