@@ -125,7 +125,7 @@ class OptimizerConfig:
     # the AdamW kernel as it reads each gradient, instead of two passes over the fp32 gradients
     # (multimodal/multi_tensor.py DeferredGradScale). Same update up to rounding.
     defer_grad_scaling: bool = True
-    # AdamW over flat buffers (multimodal/flat_adamw.py): one Triton kernel per parameter group
+    # AdamW over flat buffers (multimodal/flat_adamw_patch.py): one Triton kernel per parameter group
     # updates the fp32 main params and moments and writes the bf16 model params, in place of torch's
     # fused AdamW plus megatron's per-parameter copy. null: on with a CUDA device and Triton; true
     # elsewhere runs its PyTorch reference (slow; for tests). Also under the distributed optimizer.

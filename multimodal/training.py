@@ -30,7 +30,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from data.loader import MicroBatchIterator, build_dataset
 from data.prefetch import Prefetcher
 from models import get_model_builder
-from multimodal import checkpointing, flat_adamw, multi_tensor, oom_advice, overlap_update, platform
+from multimodal import checkpointing, flat_adamw_patch, multi_tensor, oom_advice, overlap_update, platform
 from multimodal.config import Config, ConfigError, resolve_sources, validate
 from core.errors import NonFiniteError
 from multimodal.flops import device_peak_tflops, training_flops
@@ -130,7 +130,7 @@ def build_model_and_optimizer(cfg: Config, rt: Runtime, dtype: torch.dtype):
         multi_tensor.use_fused_adam(optimizer)
         if o.defer_grad_scaling:
             multi_tensor.defer_grad_scaling(optimizer, [ddp])
-    flat_adamw.install(optimizer, [ddp], o.flat)  # before any step: the graphs capture param addresses
+    flat_adamw_patch.install(optimizer, [ddp], o.flat)  # before any step: the graphs capture param addresses
     # the vision encoder replays all its blocks as one graph: its parameters are gated as one unit
     opaque = [model.vision_model] if getattr(model, "vision_graphs", None) is not None else []
     overlap_update.install(model, optimizer, o.overlap_step, opaque=opaque, pieces=o.overlap_step_pieces)
