@@ -20,7 +20,7 @@ import traceback
 from pathlib import Path
 
 from multimodal.config import config_to_yaml, load_config, resolve_sources, validate
-from multimodal.errors import ConfigError, TrainingError, one_line
+from core.errors import ConfigError, TrainingError, one_line
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,7 +31,7 @@ import torch
 
 from data.chat import encode_conversation, special_token_ids
 from data.image import CHECKPOINT_MAX_PIXELS, CHECKPOINT_MIN_PIXELS, image_patches, open_image, smart_resize  # noqa: F401 (re-exported)
-from multimodal.errors import DataError, one_line  # (a leaf module: imports nothing of the project)
+from core.errors import DataError, one_line  # (a leaf module: imports nothing of the project)
 from models.qwen35_vl.mrope import mrope_position_ids
 
 log = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ import itertools
 import torch
 
 from data.collate import pack_thd, pad_bshd, padded_length
-from multimodal.errors import DataError  # (a leaf module: imports nothing of the project)
+from core.errors import DataError  # (a leaf module: imports nothing of the project)
 
 MIN_SAMPLES_FOR_BAD_CHECK = 20  # judge the bad-row fraction only once it means something
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from data.image import patchify
+from models.qwen35_vl.vision_patches import patchify
 from models.qwen35_vl.mrope import mrope_position_ids
 
 _TASK_SEED = 0x5EED  # fixed: class styles and answer spans are the task, shared across seeds

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.common.transfer import to_device_async
+from core.transfer import to_device_async
 
 CHUNK = 64
 

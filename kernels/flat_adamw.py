@@ -6,7 +6,7 @@ its bf16 model parameter (602 more launches, which read the 4-byte main paramete
 H200 the two took 21.0 + 3.9 ms of a 0.215 s 2B step, AdamW at ~3 TB/s of the ~4.2 TB/s a copy
 reaches. Here the fp32 main parameters, both moments and the bf16 model parameters live in flat
 buffers laid out like megatron's gradient buffer, so one kernel per parameter group reads
-param, grad, m, v once and writes param, m, v and the bf16 copy once (multimodal/flat_adamw.py
+param, grad, m, v once and writes param, m, v and the bf16 copy once (multimodal/flat_adamw_patch.py
 does the layout and the wiring into megatron's optimizer).
 
 The work list is a table of chunks (start, state start, length), at most ``CHUNK`` elements each,
@@ -51,7 +51,7 @@ def chunk_table(segments, device, chunk: int = CHUNK) -> tuple[torch.Tensor, tor
     """(starts int64, state_starts int64, lengths int32) covering each segment with chunks of <=
     ``chunk`` elements. A segment is (start, numel), or (start, state_start, numel) when the
     parameters and moments are packed differently from the gradients and output (a data-parallel
-    shard of the gradient buffer, multimodal/flat_adamw.py)."""
+    shard of the gradient buffer, multimodal/flat_adamw_patch.py)."""
     starts, state_starts, lengths = [], [], []
     for seg in segments:
         start, state_start, numel = seg if len(seg) == 3 else (seg[0], seg[0], seg[1])

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 
 from kernels import ce_triton
 from kernels.triton_support import unavailable_reason
-from models.common import wgrad_fusion
+from kernels import wgrad_accum
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -153,7 +153,7 @@ class _FusedLinearCE(torch.autograd.Function):
                 p.mul_(g)
                 p = p.to(weight.dtype)
             if to_main_grad:
-                wgrad_fusion.accumulate_wgrad(hidden, p, ctx.weight.main_grad[v0:v1])
+                wgrad_accum.accumulate_wgrad(hidden, p, ctx.weight.main_grad[v0:v1])
             elif need_w:
                 torch.mm(p.t(), hidden, out=grad_w[v0:v1])
             if need_h:
@@ -162,7 +162,7 @@ class _FusedLinearCE(torch.autograd.Function):
         if need_h:
             grad_h = grad_h.to(hidden.dtype)
         if to_main_grad and ctx.weight_grad == "main_grad":
-            grad_w = wgrad_fusion.added_to_main_grad(ctx.weight)
+            grad_w = wgrad_accum.added_to_main_grad(ctx.weight)
         return grad_h, grad_w, None, None, None, None, None, None, None
 
 

@@ -31,7 +31,8 @@ import logging
 
 import torch
 
-from models.qwen35_vl.mrope import apply_rotary, axis_of_frequency, mrope_angles
+from core.zigzag import zigzag_indices
+from kernels.rotary import apply_rotary, axis_of_frequency, mrope_angles
 
 try:
     import triton
@@ -49,9 +50,7 @@ LAYOUTS = ("bshd", "sbhd", "thd")
 
 def zigzag_global_index(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
     """Global token index of each local token of rank cp_rank (host side: reference only); the
-    split the model's data path uses (multimodal.context_parallel.zigzag_indices)."""
-    from multimodal.context_parallel import zigzag_indices
-
+    split the model's data path uses (core.zigzag.zigzag_indices)."""
     cu = cu_seqlens.tolist()
     segments = [e - s for s, e in zip(cu[:-1], cu[1:])]
     return zigzag_indices(segments, cp_size, cp_rank).to(cu_seqlens.device)

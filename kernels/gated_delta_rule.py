@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from models.common.transfer import to_device_async
+from core.transfer import to_device_async
 
 log = logging.getLogger(__name__)
 

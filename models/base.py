@@ -12,7 +12,7 @@ from megatron.core import tensor_parallel
 from megatron.core.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 
-from multimodal.context_parallel import VisionGather
+from models.common.cp_collectives import VisionGather
 
 
 def scatter_image_features(emb: torch.Tensor, is_image: torch.Tensor, features: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ import json
 import logging
 from pathlib import Path
 
-from multimodal.errors import CheckpointError, one_line
+from core.errors import CheckpointError, one_line
 
 MANIFEST = "manifest.json"
 MAX_LISTED = 10  # differing tensors named in a mismatch message

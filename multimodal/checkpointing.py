@@ -34,7 +34,7 @@ from megatron.core import dist_checkpointing, tensor_parallel
 
 from models.common.lora import is_adapter_param
 from multimodal import checkpoint_checks as checks
-from multimodal.errors import CheckpointError, DiskFullError, IncompleteCheckpoint, one_line
+from core.errors import CheckpointError, DiskFullError, IncompleteCheckpoint, one_line
 
 log = logging.getLogger(__name__)
 

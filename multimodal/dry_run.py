@@ -41,7 +41,8 @@ import copy
 import math
 from dataclasses import dataclass, field
 
-from multimodal.config import Config, ConfigError, ModelConfig, validate, validate_layout
+from models.qwen35_vl.config import ModelConfig
+from multimodal.config import Config, ConfigError, validate, validate_layout
 
 GIB = 1024**3
 BF16, FP32 = 2, 4

@@ -39,6 +39,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from data.loader import MicroBatchIterator, build_dataset
 from multimodal import checkpointing
+from multimodal.context_parallel import sequence_pad_multiple
 from multimodal.forward_step import ForwardStep
 
 log = logging.getLogger(__name__)
@@ -83,8 +84,6 @@ class Evaluator:
 
     def _loader(self) -> MicroBatchIterator:
         """A fresh pass from the validation set's start (rank r reads samples r, r + DP, ...)."""
-        from multimodal.training import sequence_pad_multiple  # (the trainer imports this module)
-
         cfg, m, t = self.cfg, self.cfg.model, self.cfg.train
         return MicroBatchIterator(
             self.dataset, t.seq_length, m.pad_token_id, m.image_token_id, m.vision.spatial_merge_size,

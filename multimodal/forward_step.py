@@ -13,8 +13,9 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from kernels.gated_delta_rule import GDNVarlen
-from models.common.transfer import to_device_async
-from multimodal.context_parallel import CPPackedSeqParams, PackedRowParams, partition_batch
+from core.transfer import to_device_async
+from models.common.packed_seq import CPPackedSeqParams, PackedRowParams
+from multimodal.context_parallel import partition_batch
 from multimodal.loss import masked_token_loss
 
 

@@ -341,17 +341,3 @@ def use_deterministic_algorithms(enabled: bool) -> None:
     if enabled:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(enabled, warn_only=True)
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python, torch and megatron's model-parallel RNG streams."""
-    import random
-
-    import numpy as np
-    from megatron.core import tensor_parallel
-
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    # On CPU the tracker is our CpuRngStatesTracker (see apply_cpu_patches).
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -199,7 +199,7 @@ class _LayerRecompute:
         return ckpt.result
 
     def _gdn_forward(self, forward, hidden_states, *args, packed_seq_params=None, **kwargs):
-        from multimodal.context_parallel import cp_info
+        from models.common.packed_seq import cp_info
 
         # in_proj joins prepare's checkpoint, on the path that calls prepare (not under CP)
         self.deferring = self._active() and cp_info(packed_seq_params) is None

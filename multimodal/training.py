@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import signal
 import time
 from contextlib import nullcontext
@@ -30,9 +29,10 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from data.loader import MicroBatchIterator, build_dataset
 from data.prefetch import Prefetcher
 from models import get_model_builder
-from multimodal import checkpointing, flat_adamw, multi_tensor, oom_advice, overlap_update, platform
+from multimodal import checkpointing, flat_adamw_patch, multi_tensor, oom_advice, overlap_update, platform
 from multimodal.config import Config, ConfigError, resolve_sources, validate
-from multimodal.errors import NonFiniteError
+from multimodal.context_parallel import sequence_pad_multiple
+from core.errors import NonFiniteError
 from multimodal.evaluation import Evaluator
 from multimodal.flops import device_peak_tflops, training_flops
 from multimodal.forward_step import ForwardStep
@@ -42,7 +42,8 @@ from multimodal.async_saves import AsyncSaves
 from multimodal.metrics import MetricsSink
 from multimodal.nonfinite import NonFiniteGuard, weights_finite
 from models.common import layer_graphs, wgrad_fusion
-from multimodal.platform import Runtime, init_distributed, seed_everything, use_deterministic_algorithms
+from multimodal.platform import Runtime, init_distributed, use_deterministic_algorithms
+from core.seeding import seed_everything
 from multimodal.freeze import describe as describe_freeze
 from multimodal.freeze import freeze
 from multimodal.lora import apply_lora
@@ -55,14 +56,6 @@ log = logging.getLogger(__name__)
 class TrainResult:
     losses: dict[int, float] = field(default_factory=dict)
     last_iteration: int = 0
-
-
-def sequence_pad_multiple(cfg: Config) -> int:
-    """Every packed sample is padded to a multiple of this: context parallelism cuts each sample
-    into 2*cp chunks, and sequence parallelism splits each rank's tokens over tp."""
-    p = cfg.parallel
-    need = (2 * p.cp if p.cp > 1 else 1) * (p.tp if p.sequence_parallel and p.tp > 1 else 1)
-    return math.lcm(need, cfg.data.pad_multiple or 1)
 
 
 def resolve_dtype(precision: str, rt: Runtime) -> torch.dtype:
@@ -136,7 +129,7 @@ def build_model_and_optimizer(cfg: Config, rt: Runtime, dtype: torch.dtype):
         multi_tensor.use_fused_adam(optimizer)
         if o.defer_grad_scaling:
             multi_tensor.defer_grad_scaling(optimizer, [ddp])
-    flat_adamw.install(optimizer, [ddp], o.flat)  # before any step: the graphs capture param addresses
+    flat_adamw_patch.install(optimizer, [ddp], o.flat)  # before any step: the graphs capture param addresses
     # the vision encoder replays all its blocks as one graph: its parameters are gated as one unit
     opaque = [model.vision_model] if getattr(model, "vision_graphs", None) is not None else []
     overlap_update.install(model, optimizer, o.overlap_step, opaque=opaque, pieces=o.overlap_step_pieces)

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels import fused_mrope as fm  # noqa: E402
 from kernels import fused_pre_gdr as fp  # noqa: E402
 from kernels import fused_swiglu as fs  # noqa: E402
-from models.qwen35_vl.mrope import apply_rotary, axis_of_frequency, inverse_frequencies, mrope_angles  # noqa: E402
+from kernels.rotary import apply_rotary, axis_of_frequency, inverse_frequencies, mrope_angles  # noqa: E402
 
 # per TP rank 1: (attention q heads, kv heads), (GDN key heads, value heads); head dims 256 / 128
 MODELS = {"2B": ((8, 2), (16, 16)), "9B": ((16, 4), (16, 32)), "397B-A17B": ((32, 2), (16, 64))}

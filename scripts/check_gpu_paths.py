@@ -27,7 +27,8 @@ from models.qwen35_vl.attention import CoreAttention  # noqa: E402
 from models.qwen35_vl.gdn import Qwen35GatedDeltaNet  # noqa: E402
 from multimodal.config import load_config  # noqa: E402
 from multimodal.forward_step import packed_seq_params, to_device  # noqa: E402
-from multimodal.platform import init_distributed, seed_everything  # noqa: E402
+from multimodal.platform import init_distributed  # noqa: E402
+from core.seeding import seed_everything  # noqa: E402
 
 
 def run(model, batch):

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def check_padded_gdn() -> dict:
     from kernels.gated_delta_rule import FLA_CHUNK_SIZE, GDNVarlen, chunk_gated_delta_rule
     from models.common.layer_graphs import StaticBatch
-    from multimodal.context_parallel import PackedRowParams
+    from models.common.packed_seq import PackedRowParams
 
     lens = [1000, 37, 3000, 2100, 2055]  # 8192 tokens, chunks that end mid-chunk
     T, H, D = sum(lens), 16, 128
@@ -71,7 +71,8 @@ def trainer_model_and_batches(config: str, overrides: list[str], micro_batches: 
     from models.common import layer_graphs, wgrad_fusion
     from multimodal.config import load_config, resolve_sources
     from multimodal.forward_step import to_device
-    from multimodal.platform import init_distributed, seed_everything
+    from multimodal.platform import init_distributed
+    from core.seeding import seed_everything
 
     cfg = load_config(config, overrides)
     resolve_sources(cfg)

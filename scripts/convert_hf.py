@@ -43,7 +43,9 @@ from models.qwen35_vl.hf import (  # noqa: E402
     model_config_from_hf,
     ours_to_hf,
 )
-from multimodal.config import ModelConfig, ParallelConfig, load_config, validate_layout  # noqa: E402
+from models.common.parallel_config import ParallelConfig  # noqa: E402
+from models.qwen35_vl.config import ModelConfig  # noqa: E402
+from multimodal.config import load_config, validate_layout  # noqa: E402
 
 MODEL_CONFIG_FILE = "model_config.json"
 
@@ -51,7 +53,8 @@ MODEL_CONFIG_FILE = "model_config.json"
 def _init():
     from megatron.core import parallel_state as ps
 
-    from multimodal.platform import init_distributed, seed_everything
+    from multimodal.platform import init_distributed
+    from core.seeding import seed_everything
 
     init_distributed()
     ps.initialize_model_parallel(1, 1)
@@ -98,7 +101,7 @@ def model_config_of_checkpoint(ckpt: Path, recipe: str | None) -> ModelConfig:
 
 def lora_config_of_checkpoint(ckpt: Path, recipe: str | None):
     """The ``model.lora`` a checkpoint was trained with: --config, else its model_config.json."""
-    from multimodal.config import LoRAConfig
+    from models.qwen35_vl.config import LoRAConfig
     from multimodal.config import _build as build_dataclass
 
     if recipe:

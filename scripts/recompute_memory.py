@@ -33,7 +33,8 @@ def measure(config: str, overrides: list[str], dtype: torch.dtype) -> dict:
     from multimodal.config import load_config, resolve_sources
     from multimodal.forward_step import packed_seq_params, to_device
     from multimodal.memory import activation_bytes_held
-    from multimodal.platform import init_distributed, seed_everything
+    from multimodal.platform import init_distributed
+    from core.seeding import seed_everything
     from multimodal.recompute import apply_recompute, sweep_choices
 
     cfg = load_config(config, [*overrides, "train.cuda_graphs=false"])

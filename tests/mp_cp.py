@@ -39,9 +39,10 @@ def main() -> None:
     from data.mock import MockDataset
     from models import get_model_builder
     from multimodal.config import load_config
-    from multimodal.context_parallel import gather_sequence
+    from models.common.cp_collectives import gather_sequence
     from multimodal.forward_step import packed_seq_params, partition_batch, vision_gather
-    from multimodal.platform import init_distributed, seed_everything
+    from multimodal.platform import init_distributed
+    from core.seeding import seed_everything
 
     init_distributed()
     cp = dist.get_world_size()

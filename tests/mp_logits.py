@@ -34,8 +34,9 @@ def main() -> None:
     from models.qwen35_vl.mrope import mrope_position_ids
     from models.qwen35_vl.parity import parity_inputs
     from multimodal import checkpointing
-    from multimodal.config import ParallelConfig
-    from multimodal.platform import init_distributed, seed_everything
+    from models.common.parallel_config import ParallelConfig
+    from multimodal.platform import init_distributed
+    from core.seeding import seed_everything
     from scripts.convert_hf import model_config_of_checkpoint
 
     init_distributed()

@@ -18,7 +18,7 @@ ROW = 384  # tokens per packed row
 
 def proxy_model(overrides=(), config: str = PROXY):
     """(cfg, fp32 model built from seed 0); needs megatron's parallel state (the mcore fixture)."""
-    from multimodal.platform import seed_everything
+    from core.seeding import seed_everything
 
     cfg = load_config(config, list(overrides))
     seed_everything(0)

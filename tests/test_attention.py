@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from models.common import attention as attn
-from multimodal.context_parallel import PackedRowParams
+from models.common.packed_seq import PackedRowParams
 
 
 def _qkv(tokens=48, hq=4, hkv=2, d=8):

@@ -16,7 +16,8 @@ from data.collate import pack_thd
 from data.loader import MicroBatchIterator
 from data.mock import MockDataset
 from multimodal.config import ConfigError, load_config, validate
-from multimodal.context_parallel import partition_batch, zigzag_indices
+from core.zigzag import zigzag_indices
+from multimodal.context_parallel import partition_batch
 from test_training import _free_port, _train
 
 ROOT = Path(__file__).resolve().parents[1]

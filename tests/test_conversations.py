@@ -15,7 +15,8 @@ import torch
 
 from data.chat import encode_conversation, special_token_ids
 from data.tiny_tokenizer import build_tiny_tokenizer
-from multimodal.config import DataConfig, ModelConfig
+from models.qwen35_vl.config import ModelConfig
+from multimodal.config import DataConfig
 
 SEQ = 1024
 PIXELS = dict(min_pixels=1024, max_pixels=16384)  # small images keep each test at a second or two
@@ -185,7 +186,7 @@ def test_config_names_the_field(tmp_path, tok_dir):
 
 
 def test_inspect_json_prints_ids_and_grids(tmp_path, tok_dir, tok, capsys):
-    from data.inspect import main as inspect_main
+    from multimodal.inspect_data import main as inspect_main
 
     path = _jsonl(tmp_path / "train.jsonl", write_synthetic_conversations(tmp_path, n=3))
     rc = inspect_main(["--config", "configs/qwen35_vl_proxy_cord.yaml", "--num", "3", "--json", "data.name=conversations",

@@ -16,7 +16,8 @@ from data.collate import pad_bshd
 from data.cord_v2 import CordV2Dataset, donut_tokens, smart_resize
 from data.tiny_tokenizer import QWEN_SPECIAL_TOKENS, build_tiny_tokenizer
 from models.qwen35_vl.mrope import mrope_position_ids
-from multimodal.config import DataConfig, ModelConfig
+from models.qwen35_vl.config import ModelConfig
+from multimodal.config import DataConfig
 
 MERGE = 2
 SEQ = 1024
@@ -396,7 +397,7 @@ def test_training_runs_on_cord_format_data(tmp_path):
 
 
 def test_inspect_json_shows_exactly_the_supervised_answer(cord, tok, tmp_path, capsys):
-    from data.inspect import main as inspect_main
+    from multimodal.inspect_data import main as inspect_main
 
     tok.save_pretrained(tmp_path / "tok")
     rc = inspect_main(["--config", "configs/qwen35_vl_proxy_cord.yaml", "--num", "2", "--json",

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from data.collate import pack_thd, pad_bshd
-from data.image import patchify
+from models.qwen35_vl.vision_patches import patchify
 from data.loader import MicroBatchIterator, build_dataset
 from data.mock import MockDataset
 from models.qwen35_vl.mrope import mrope_position_ids
-from multimodal.config import DataConfig, ModelConfig
+from models.qwen35_vl.config import ModelConfig
+from multimodal.config import DataConfig
 
 M = ModelConfig()
 D = DataConfig()

@@ -51,7 +51,7 @@ def test_count_equals_real_model_single_rank(mcore, path):
     import torch
 
     from models import get_model_builder
-    from multimodal.platform import seed_everything
+    from core.seeding import seed_everything
 
     cfg = load_config(path)
     seed_everything(0)
@@ -96,8 +96,9 @@ def _worker(out: str) -> None:
     from megatron.core import parallel_state as ps
 
     from models import get_model_builder
-    from multimodal.config import ParallelConfig
-    from multimodal.platform import init_distributed, seed_everything
+    from models.common.parallel_config import ParallelConfig
+    from multimodal.platform import init_distributed
+    from core.seeding import seed_everything
 
     init_distributed()
     results = []

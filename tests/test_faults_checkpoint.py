@@ -12,7 +12,7 @@ import pytest
 
 from fault_helpers import TINY, run_cli
 from multimodal import checkpointing
-from multimodal.errors import CheckpointError
+from core.errors import CheckpointError
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,9 @@ import pytest
 from data.cord_v2 import CordV2Dataset
 from data.loader import MicroBatchIterator
 from fault_helpers import run_cli
-from multimodal.config import DataConfig, ModelConfig
-from multimodal.errors import DataError
+from models.qwen35_vl.config import ModelConfig
+from multimodal.config import DataConfig
+from core.errors import DataError
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ MOE = "configs/qwen35_vl_proxy_moe.yaml"
 
 def _train_steps(mcore, config: str, freeze: list[str], steps: int = 3):
     """(model, ddp, optimizer, weights before, weights after) of a few optimizer steps."""
-    from multimodal.platform import seed_everything
+    from core.seeding import seed_everything
     from multimodal.training import build_model_and_optimizer
 
     cfg = load_config(config, [f"model.freeze=[{','.join(freeze)}]", "optimizer.lr=1e-2",

@@ -20,7 +20,7 @@ import torch
 
 from kernels import fused_mrope as fm
 from kernels import fused_pre_gdr as fp
-from models.qwen35_vl.mrope import inverse_frequencies
+from kernels.rotary import inverse_frequencies
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -208,7 +208,7 @@ def _proxy_loss_and_grads(overrides):
     from models import get_model_builder
     from multimodal.config import load_config
     from multimodal.forward_step import packed_seq_params
-    from multimodal.platform import seed_everything
+    from core.seeding import seed_everything
 
     # one GDN and one attention layer, one small image: the interpreter runs every kernel op in numpy
     cfg = load_config(str(ROOT / "configs/qwen35_vl_proxy.yaml"),
@@ -298,7 +298,7 @@ def test_auto_resolves_to_pytorch_on_cpu(mcore):
     from multimodal.config import load_config
 
     from models.qwen35_vl.model import FUSED_KERNELS_BY_DEFAULT
-    from multimodal.platform import seed_everything
+    from core.seeding import seed_everything
 
     cfg = load_config(str(ROOT / "configs/qwen35_vl_proxy.yaml"), ["model.num_layers=2", "model.full_attention_interval=2"])
     assert cfg.model.fused_mrope is None and cfg.model.gdn_pre_impl == "auto"

@@ -165,7 +165,7 @@ def test_proxy_model_loss_and_grads_equal_with_fused_ce_on_and_off(mcore, tied):
     from models import get_model_builder
     from multimodal.config import load_config
     from multimodal.forward_step import loss_token_index, packed_seq_params
-    from multimodal.platform import seed_everything
+    from core.seeding import seed_everything
 
     cfg = load_config("configs/qwen35_vl_proxy.yaml", [f"model.tie_word_embeddings={str(tied).lower()}"])
     seed_everything(0)
@@ -217,7 +217,7 @@ def test_forward_step_gives_the_model_the_loss_tokens_and_counts_them(mcore):
     from models import get_model_builder
     from multimodal.config import load_config
     from multimodal.forward_step import ForwardStep
-    from multimodal.platform import seed_everything
+    from core.seeding import seed_everything
 
     cfg = load_config("configs/qwen35_vl_proxy.yaml")
     seed_everything(0)

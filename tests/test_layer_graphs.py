@@ -19,7 +19,7 @@ from multimodal.config import ConfigError, load_config, validate
 
 def test_static_batch_pads_segments_and_chunk_table():
     from kernels.gated_delta_rule import GDNVarlen
-    from multimodal.context_parallel import PackedRowParams
+    from models.common.packed_seq import PackedRowParams
 
     cu = torch.tensor([0, 10, 300, 384], dtype=torch.int32)
     varlen = GDNVarlen.from_host(cu, "cpu")
@@ -175,7 +175,7 @@ def _assert_rounding_close(grads, want):
 
 
 def test_vision_bucket_pads_segments_and_positions():
-    from models.qwen35_vl.vision import VisionGeometry
+    from models.qwen35_vl.vision_geometry import VisionGeometry
     from models.qwen35_vl.vision_graphs import _Bucket
 
     cu = torch.tensor([0, 16, 44], dtype=torch.int32)

@@ -23,7 +23,7 @@ LORA = ["model.lora.rank=4", "model.lora.alpha=8"]
 
 
 def _build(mcore, config: str, overrides: list[str], seed: int = 0):
-    from multimodal.platform import seed_everything
+    from core.seeding import seed_everything
     from multimodal.training import build_model_and_optimizer
 
     cfg = load_config(config, [*overrides, "optimizer.lr=1e-2", "optimizer.warmup_iters=0"])
@@ -115,9 +115,10 @@ def test_merged_export_matches_the_lora_model(mcore, tmp_path):
     from models.qwen35_vl.mrope import mrope_position_ids
     from models.qwen35_vl.parity import parity_inputs, use_hf_torch_kernels
     from multimodal import checkpointing
-    from multimodal.config import LoRAConfig, ParallelConfig
+    from models.common.parallel_config import ParallelConfig
+    from models.qwen35_vl.config import LoRAConfig
     from multimodal.lora import apply_lora
-    from multimodal.platform import seed_everything
+    from core.seeding import seed_everything
 
     hf_dir = make_hf_checkpoint(tmp_path / "hf", moe=True, tied=False)  # shared expert + GDN + attention
     _run("scripts/convert_hf.py", "import", "--hf-dir", str(hf_dir), "--out", str(tmp_path / "imported"))
@@ -173,10 +174,10 @@ def test_merged_export_matches_the_lora_model(mcore, tmp_path):
 @pytest.mark.parametrize("config", [PROXY, MOE])
 def test_dry_run_counts_the_adapters_exactly(mcore, config):
     from models.qwen35_vl.model import build
-    from multimodal.config import ParallelConfig
+    from models.common.parallel_config import ParallelConfig
     from multimodal.dry_run import check_layout, stage_memory, stage_params
     from multimodal.lora import apply_lora
-    from multimodal.platform import seed_everything
+    from core.seeding import seed_everything
 
     cfg = load_config(config, LORA)
     validate(cfg)

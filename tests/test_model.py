@@ -13,7 +13,7 @@ from multimodal.forward_step import packed_seq_params
 
 
 def _build(cfg_path, mcore, overrides=()):
-    from multimodal.platform import seed_everything
+    from core.seeding import seed_everything
 
     cfg = load_config(cfg_path, list(overrides))
     seed_everything(0)

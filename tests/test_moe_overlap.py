@@ -84,7 +84,7 @@ def _model_and_batch(overrides=()):
     from data.loader import MicroBatchIterator, build_dataset
     from models import get_model_builder
     from multimodal.config import load_config
-    from multimodal.platform import seed_everything
+    from core.seeding import seed_everything
 
     cfg = load_config(MOE, ["train.seq_length=256", "data.max_image_side=64", "model.attention_backend=sdpa",
                             "model.gdn_backend=torch", "model.moe_aux_loss_coeff=0.1", *overrides])

@@ -11,7 +11,7 @@ from data.mock import MockDataset
 from models import get_model_builder
 from multimodal.config import load_config
 from multimodal.forward_step import packed_seq_params
-from multimodal.platform import seed_everything
+from core.seeding import seed_everything
 
 
 def _router_grads(model, batch, with_mask: bool) -> dict:

@@ -81,8 +81,9 @@ def _save_init_weights(out: Path, config: str, overrides: list[str]) -> Path:
     """A weights-only checkpoint of the one-process init of ``config`` (in this process, world 1)."""
     from models import get_model_builder
     from multimodal import checkpointing
-    from multimodal.config import ParallelConfig, load_config, resolve_sources
-    from multimodal.platform import seed_everything
+    from models.common.parallel_config import ParallelConfig
+    from multimodal.config import load_config, resolve_sources
+    from core.seeding import seed_everything
     from multimodal.training import checkpoint_meta
 
     cfg = resolve_sources(load_config(config, overrides))
@@ -346,8 +347,10 @@ import json, sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
 from megatron.core import parallel_state as ps
 from models import get_model_builder
-from multimodal.config import ParallelConfig, load_config
-from multimodal.platform import init_distributed, seed_everything
+from models.common.parallel_config import ParallelConfig
+from multimodal.config import load_config
+from multimodal.platform import init_distributed
+from core.seeding import seed_everything
 
 init_distributed()
 ps.initialize_model_parallel(pipeline_model_parallel_size=2)

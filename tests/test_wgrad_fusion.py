@@ -1,4 +1,5 @@
-"""Weight-gradient accumulation fusion (models/common/wgrad_fusion.py): the GEMM adds into
+"""Weight-gradient accumulation fusion (models/common/wgrad_fusion.py, its GEMMs in
+kernels/wgrad_accum.py): the GEMM adds into
 main_grad exactly what the unfused backward adds, through megatron's real linear layers."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ import pytest
 import torch
 from proxy_fixtures import accumulate, packed_rows, proxy_model, wrap_ddp
 
+from kernels import wgrad_accum
 from models.common import wgrad_fusion
 
 
@@ -15,15 +17,15 @@ def test_gemm_accumulates_into_main_grad():
     x, g = torch.randn(40, 24, generator=gen), torch.randn(40, 16, generator=gen)
     acc = torch.randn(16, 24, generator=gen)
     want = acc + g.t() @ x
-    wgrad_fusion.wgrad_gemm_accum_fp32(x, g, acc)
+    wgrad_accum.wgrad_gemm_accum_fp32(x, g, acc)
     torch.testing.assert_close(acc, want, rtol=1e-6, atol=1e-6)
     # bf16 activations into an fp32 buffer: the product is not rounded to bf16 first
     xb, gb = x.bfloat16(), g.bfloat16()
     acc2 = torch.zeros(16, 24)
-    wgrad_fusion.wgrad_gemm_accum_fp32(xb, gb, acc2)
+    wgrad_accum.wgrad_gemm_accum_fp32(xb, gb, acc2)
     torch.testing.assert_close(acc2, gb.float().t() @ xb.float(), rtol=1e-6, atol=1e-6)
     half = torch.zeros(16, 24, dtype=torch.bfloat16)
-    wgrad_fusion.wgrad_gemm_accum_fp16(xb, gb, half)
+    wgrad_accum.wgrad_gemm_accum_fp16(xb, gb, half)
     torch.testing.assert_close(half.float(), gb.float().t() @ xb.float(), rtol=1e-2, atol=1e-2)
 
 

@@ -44,7 +44,7 @@ import torch
 
 from kernels.gated_delta_rule import FLA_CHUNK_SIZE, GDNVarlen
 from models.common.main_grad_add import add_into_main_grads
-from multimodal.context_parallel import PackedRowParams, cp_info, segment_boundaries
+from models.common.packed_seq import PackedRowParams, cp_info, segment_boundaries
 
 log = logging.getLogger(__name__)
 WARMUP_ITERS = 2
@@ -382,7 +382,7 @@ def _warm_fused_wgrad(modules, hidden) -> None:
     """Run the fused weight-gradient GEMM once per weight shape on scratch buffers: the warm-up
     passes use the plain path (the fused one would write into main_grad), and a GEMM's first
     call (cuBLAS heuristics, workspace) must not happen inside a capture."""
-    from models.common.wgrad_fusion import wgrad_gemm_accum_fp32
+    from kernels.wgrad_accum import wgrad_gemm_accum_fp32
 
     done = set()
     for m in modules:

@@ -33,20 +33,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-
-def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
-    """main_grad [out, in] (fp32) += grad_output [T, out]^T @ total_input [T, in], in place."""
-    if total_input.dtype == main_grad.dtype:
-        main_grad.addmm_(grad_output.t(), total_input)
-    elif main_grad.is_cuda:  # one cuBLAS GEMM: low-precision inputs, fp32 accumulate and output
-        torch.addmm(main_grad, grad_output.t(), total_input, out_dtype=main_grad.dtype, out=main_grad)
-    else:  # no mixed-dtype GEMM on the CPU: upcast (the reference numerics)
-        main_grad.addmm_(grad_output.t().to(main_grad.dtype), total_input.to(main_grad.dtype))
-
-
-def wgrad_gemm_accum_fp16(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
-    """The same for a bf16/fp16 main_grad (train without grad_reduce_in_fp32)."""
-    main_grad.addmm_(grad_output.t().to(main_grad.dtype), total_input.to(main_grad.dtype))
+from kernels.wgrad_accum import added_to_main_grad, wgrad_gemm_accum_fp16, wgrad_gemm_accum_fp32
 
 
 @functools.cache
@@ -104,29 +91,6 @@ def enable(model: torch.nn.Module) -> int:
 
 
 # ----------------------------------------------------------------------------- vocabulary weights
-
-
-def accumulate_wgrad(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
-    """main_grad += grad_output^T @ total_input, for an fp32 or a low-precision main_grad."""
-    if main_grad.dtype == torch.float32:
-        wgrad_gemm_accum_fp32(total_input, grad_output, main_grad)
-    else:
-        wgrad_gemm_accum_fp16(total_input, grad_output, main_grad)
-
-
-def added_to_main_grad(weight: torch.Tensor) -> torch.Tensor:
-    """What a backward returns for a weight whose gradient it already added into main_grad.
-
-    megatron's DDP hook then skips its add (``grad_added_to_main_grad``) and drops the tensor.
-    It must be a real tensor, not None: with ``overlap_grad_reduce`` the hook is what marks the
-    weight ready for the all-reduce. ``empty`` is never written (megatron's linears return the
-    same), and in the weight's own layout, so autograd takes it as the gradient without a copy.
-    Zeros where megatron marked the weight ``zero_out_wgrad`` (a tied embedding whose lookup
-    still returns a dense gradient): the hook then adds the sum, and the zeros add nothing."""
-    weight.grad_added_to_main_grad = True
-    if getattr(weight, "zero_out_wgrad", False):  # megatron's mark: the hook adds it (see _enable_vocabulary)
-        return torch.zeros_like(weight)
-    return torch.empty_like(weight)
 
 
 class _EmbeddingToMainGrad(torch.autograd.Function):

@@ -17,9 +17,9 @@ from megatron.core.transformer.module import MegatronModule
 
 from kernels import fused_mrope
 from models.common.attention import attention
-from multimodal.context_parallel import (PackedRowParams, cp_info, heads_to_tokens, segment_boundaries, split_heads,
-                                         tokens_to_heads)
-from models.qwen35_vl.mrope import apply_rotary, axis_of_frequency, mrope_angles
+from models.common.packed_seq import PackedRowParams, cp_info, segment_boundaries
+from models.common.cp_collectives import heads_to_tokens, split_heads, tokens_to_heads
+from kernels.rotary import apply_rotary, axis_of_frequency, mrope_angles
 
 
 class MRopeSelfAttention(SelfAttention):
@@ -93,7 +93,7 @@ class CoreAttention(MegatronModule):
         return out.transpose(0, 1).reshape(out.shape[1], out.shape[0], -1)
 
     def _context_parallel(self, query, key, value, cp):
-        """Head-parallel attention over the whole sequence (see multimodal/context_parallel.py).
+        """Head-parallel attention over the whole sequence (see models/common/cp_collectives.py).
 
         q/k/v arrive as this rank's tokens [S_local, B, H, D] (THD: B = 1). KV heads that do not
         split over cp (e.g. 2 KV heads, cp = 4) are repeated up to the query heads first."""

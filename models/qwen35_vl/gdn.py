@@ -20,7 +20,8 @@ from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
 from kernels import fused_pre_gdr
 from kernels import gated_delta_rule as gdr
-from multimodal.context_parallel import cp_info, heads_to_tokens, segment_boundaries, tokens_to_heads
+from models.common.packed_seq import cp_info, segment_boundaries
+from models.common.cp_collectives import heads_to_tokens, tokens_to_heads
 
 
 class Qwen35GatedDeltaNet(GatedDeltaNet):
@@ -97,7 +98,7 @@ class Qwen35GatedDeltaNet(GatedDeltaNet):
         return q.contiguous(), k.contiguous(), v.contiguous(), g, beta
 
     def _context_parallel_core(self, proj: torch.Tensor, cp, cu_seqlens, varlen=None):
-        """Head-parallel GDN (multimodal/context_parallel.py): rank r runs the conv and the delta
+        """Head-parallel GDN (models/common/cp_collectives.py): rank r runs the conv and the delta
         rule over the whole sequence for its 1/cp of the key and value heads, then the outputs go
         back to the local tokens. The gate z never leaves its rank."""
         n = cp.cp_size

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from multimodal.config import ModelConfig, VisionConfig
+from models.qwen35_vl.config import ModelConfig, VisionConfig
 
 HF_PREFIX = "model.language_model."
 HF_VISION = "model.visual."

@@ -9,6 +9,8 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
+from core.errors import ConfigError
+from kernels.rotary import axis_of_frequency, inverse_frequencies, mrope_angles
 from models.base import MultimodalModel
 from models.common import norms, swiglu
 from models.common.moe_aux_loss import use_group_mean_token_count
@@ -16,7 +18,6 @@ from models.common.moe_dispatch import GroupedDispatcher
 from models.common.moe_nvtx import add_moe_nvtx_ranges
 from models.qwen35_vl import attention as attn_mod
 from models.qwen35_vl import gdn as gdn_mod
-from models.qwen35_vl.mrope import axis_of_frequency, inverse_frequencies, mrope_angles
 from models.qwen35_vl.specs import decoder_block_spec
 from models.qwen35_vl.vision import VisionEncoder
 
@@ -91,8 +92,6 @@ def transformer_config(cfg, parallel, params_dtype: torch.dtype, deterministic: 
     overlap = getattr(parallel, "moe_a2a_overlap", False)
     if overlap and params_dtype != torch.bfloat16:
         # validate() lets train.precision=auto through; here it has resolved to fp32 (no GPU)
-        from multimodal.config import ConfigError  # noqa: PLC0415
-
         raise ConfigError(f"parallel.moe_a2a_overlap=true needs bf16 weights, got {params_dtype} "
                           "(train.precision=auto is fp32 without a GPU); set train.precision=bf16")
     moe = {}

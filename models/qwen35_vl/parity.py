@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from data.image import patchify
+from models.qwen35_vl.vision_patches import patchify
 from models.qwen35_vl.hf import hf_to_ours, load_hf_state_dict, model_config_from_hf, ours_to_hf
 from models.qwen35_vl.mrope import mrope_position_ids
-from multimodal.config import ParallelConfig
+from models.common.parallel_config import ParallelConfig
 
 THRESHOLDS = {"fp32": {"logits": 1e-4, "loss": 1e-5, "grad": 1e-3},
               "bf16": {"logits": 1e-1, "loss": 1e-2, "grad": 1e-1}}
@@ -95,7 +95,7 @@ def run_parity(hf_dir, dtype: str = "fp32", seed: int = 0) -> dict:
         use_hf_torch_kernels()
 
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    from multimodal.platform import seed_everything
+    from core.seeding import seed_everything
 
     seed_everything(seed)
     ours, m = build_from_hf(hf_dir, torch_dtype)

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 
 from models.common.layer_graphs import (WARMUP_ITERS, LayerGraph, Replay, count_eager, failure_summary,
                                        graph_backward, record)
-from models.qwen35_vl.vision import VisionGeometry
+from models.qwen35_vl.vision_geometry import VisionGeometry
 
 log = logging.getLogger(__name__)
 

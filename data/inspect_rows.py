@@ -1,23 +1,19 @@
-"""Look at what the model will be trained on.
+"""What the model will be trained on, sample by sample: the conversation with the supervised tokens
+marked, runs of image tokens collapsed, token counts and image grids (or one JSON object per
+sample). The command line that loads a recipe and prints them is multimodal/inspect_data.py:
 
-    python -m data.inspect --config configs/qwen35_vl_proxy_cord.yaml [key=value ...] --num 3 [--json]
+    python -m multimodal.inspect_data --config configs/qwen35_vl_proxy_cord.yaml [key=value ...] --num 3 [--json]
 
-Prints the first N usable samples of ``data.split`` in dataset order (``--start`` to begin
-elsewhere): the conversation with the supervised tokens in [[double brackets]] (or colour on a
-terminal), runs of image tokens collapsed, token counts and image grids. ``--json`` prints one
-object per sample with ``index, num_tokens, num_supervised, supervised_text, num_image_tokens,
-image_grid_thw, input_ids``. Supervised tokens are the *labels* whose loss mask is 1 (labels are the inputs
-shifted left by one), so this shows exactly what the loss sees.
+Supervised tokens are the *labels* whose loss mask is 1 (labels are the inputs shifted left by
+one), so this shows exactly what the loss sees.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
-from data.loader import build_dataset, load_tokenizer
-from multimodal.config import ConfigError, load_config, resolve_sources, validate
+from data.loader import load_tokenizer
 
 
 def supervised_positions(sample) -> list[int]:
@@ -25,13 +21,14 @@ def supervised_positions(sample) -> list[int]:
     return [t + 1 for t in sample["loss_mask"].nonzero().flatten().tolist()]
 
 
-def _decoder(cfg):
-    m = cfg.model
+def decoder(m, data):
+    """Token ids -> text: the tokenizer of ``data.tokenizer``, else (mock data) the ids themselves
+    with the special tokens of the model section ``m`` named."""
     names = {m.image_token_id: "<|image_pad|>", m.vision_start_token_id: "<|vision_start|>",
              m.vision_end_token_id: "<|vision_end|>", m.im_start_token_id: "<|im_start|>",
              m.im_end_token_id: "<|im_end|>"}
-    if cfg.data.tokenizer:
-        tok = load_tokenizer(cfg.data)
+    if data.tokenizer:
+        tok = load_tokenizer(data)
         return lambda ids: tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
     return lambda ids: " ".join(names.get(i, str(i)) for i in ids) + " "  # mock data: ids
 
@@ -64,42 +61,22 @@ def describe(sample, decode, image_token_id: int) -> dict:
     }
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--num", type=int, default=3)
-    ap.add_argument("--start", type=int, default=0)
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args(argv)
-    try:
-        cfg = resolve_sources(load_config(args.config, args.overrides))
-        validate(cfg)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    ds = build_dataset(cfg.model, cfg.data, cfg.train.seq_length)
-    decode = _decoder(cfg)
-    image_id = cfg.model.image_token_id
-    shown, index = 0, args.start
-    while shown < args.num and index < len(ds):
+def print_samples(ds, decode, image_token_id: int, num: int, start: int = 0, as_json: bool = False) -> None:
+    """Print the first ``num`` usable samples of ``ds`` from index ``start`` (text, or JSON lines)."""
+    shown, index = 0, start
+    while shown < num and index < len(ds):
         sample = ds[index]
         index += 1
         if sample is None:  # skipped (and counted) by the dataset
             continue
         shown += 1
-        info = describe(sample, decode, image_id)
-        if args.json:
+        info = describe(sample, decode, image_token_id)
+        if as_json:
             print(json.dumps(info, ensure_ascii=False))
             continue
         print(f"--- sample {info['index']}: {info['num_tokens']} tokens, {info['num_supervised']} supervised, "
               f"{info['num_image_tokens']} image tokens, grids {info['image_grid_thw']}")
-        print(render(sample, decode, image_id, color=sys.stdout.isatty()))
+        print(render(sample, decode, image_token_id, color=sys.stdout.isatty()))
     skipped = dict(getattr(ds, "skipped", {}) or {})
-    if skipped and not args.json:
+    if skipped and not as_json:
         print(f"--- skipped while reading: {skipped}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

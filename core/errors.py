@@ -7,8 +7,8 @@ on one line and exits with ``exit_code``; the traceback goes to ``<logging.dir>/
 keeps Python's traceback and exit code 1, so schedulers can tell the two apart: retrying a run
 that ended with 2 does not help until something is changed.
 
-This module imports nothing of the project, so every layer (data/, the config, the trainer)
-can raise these.
+This module imports nothing of the project (it is part of ``core/``), so every layer (models/,
+data/, the config, the trainer) can raise these.
 """
 
 from __future__ import annotations
