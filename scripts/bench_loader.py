@@ -1,9 +1,16 @@
 """Data-loader throughput on this machine: samples/s and packed rows (micro-batches)/s.
 
     python scripts/bench_loader.py --config configs/qwen35_vl_2b.yaml [--rows 20] [--workers N] [key=value ...]
+    python scripts/bench_loader.py --config configs/qwen35_vl_2b.yaml --images 200 [--sides 224,4000]
 
 Runs the recipe's dataset + collate in this process (no model, no GPU) and prints one JSON line.
 Compare ``row_s`` with the GPU step time to see whether the loader keeps ahead of training.
+
+``--images N`` measures instead what one loader worker does per real image file: N JPEG and PNG
+files (half each) of random sizes are written to a temporary folder, then each is decoded
+(``data.image.open_image``) and resized and patchified at the recipe's ``data.min_pixels`` /
+``data.max_pixels`` (``data.image.image_patches``), timed apart. Workers are processes, so the
+loader's rate is about this one times ``data.num_workers`` while cores last.
 """
 
 from __future__ import annotations
@@ -25,9 +32,15 @@ def main(argv=None) -> int:
     ap.add_argument("--config", required=True)
     ap.add_argument("--rows", type=int, default=20)
     ap.add_argument("--workers", type=int, default=None, help="data.num_workers (default: the recipe's)")
+    ap.add_argument("--images", type=int, default=0, help="time decode + resize of N real image files instead")
+    ap.add_argument("--sides", default="224,4000", help="--images: min,max side in pixels")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     cfg = resolve_sources(load_config(args.config, args.overrides))
+    if args.images:
+        lo, hi = (int(x) for x in args.sides.split(","))
+        print(json.dumps({"config": args.config, **image_file_rates(cfg, args.images, lo, hi)}))
+        return 0
     if args.workers is not None:
         cfg.data.num_workers = args.workers
     m, t = cfg.model, cfg.train
@@ -50,6 +63,52 @@ def main(argv=None) -> int:
         "pack_lookahead": cfg.data.pack_lookahead,
     }))
     return 0
+
+
+def _write_images(folder: Path, n: int, lo: int, hi: int) -> list[Path]:
+    """n photo-like files (smooth colour fields plus noise, so neither format compresses them to
+    nothing), sides uniform in [lo, hi], every other one a JPEG (quality 90) or a PNG."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    paths = []
+    for i in range(n):
+        h, w = (int(x) for x in rng.integers(lo, hi + 1, size=2))
+        yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
+        base = np.stack([xx / w, yy / h, (xx + yy) / (w + h)], -1) * 200
+        img = np.clip(base + rng.normal(0, 12, (h, w, 3)), 0, 255).astype(np.uint8)
+        path = folder / (f"{i}.jpg" if i % 2 == 0 else f"{i}.png")
+        Image.fromarray(img).save(path, **({"quality": 90} if path.suffix == ".jpg" else {}))
+        paths.append(path)
+    return paths
+
+
+def image_file_rates(cfg, n: int, lo: int, hi: int) -> dict:
+    import tempfile
+
+    from data.image import image_patches, open_image
+
+    v, d = cfg.model.vision, cfg.data
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = _write_images(Path(tmp), n, lo, hi)
+        decode = resize = 0.0
+        patches = megapixels = 0
+        for path in paths:
+            t0 = time.perf_counter()
+            img = open_image(str(path))
+            t1 = time.perf_counter()
+            pixels, _grid = image_patches(img, v.patch_size, v.temporal_patch_size, v.spatial_merge_size,
+                                          d.min_pixels, d.max_pixels)
+            resize += time.perf_counter() - t1
+            decode += t1 - t0
+            patches += pixels.shape[0]
+            megapixels += img.width * img.height / 1e6
+    total = decode + resize
+    return {"images": n, "sides": [lo, hi], "min_pixels": d.min_pixels, "max_pixels": d.max_pixels,
+            "images_per_s_per_worker": n / total, "patches_per_s_per_worker": patches / total,
+            "decoded_megapixels_per_s": megapixels / decode, "decode_share": decode / total,
+            "mean_patches_per_image": patches / n}
 
 
 if __name__ == "__main__":

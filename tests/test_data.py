@@ -342,3 +342,21 @@ def test_prefetcher_raises_loader_errors_in_the_trainer():
     with pytest.raises(ValueError, match="sample 7"):
         next(p)
     p.close()
+
+
+def test_bench_loader_times_real_image_files():
+    """--images: real JPEG/PNG files decoded, resized and patchified at the recipe's pixel range."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "scripts/bench_loader.py", "--config", "configs/qwen35_vl_proxy.yaml",
+                           "--images", "4", "--sides", "40,120", "data.min_pixels=1024", "data.max_pixels=4096"],
+                          capture_output=True, text=True, cwd=root, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["images"] == 4 and r["images_per_s_per_worker"] > 0 and 0 < r["decode_share"] < 1
+    # every image lands in [min_pixels, max_pixels]: 4 to 16 patches of 16 px
+    assert 4 <= r["mean_patches_per_image"] <= 16
