@@ -19,8 +19,13 @@ import sys
 import traceback
 from pathlib import Path
 
-from multimodal.config import config_to_yaml, load_config, resolve_sources, validate
-from core.errors import ConfigError, TrainingError, one_line
+from core import console
+
+# before torch and megatron are imported: their import-time warnings are held back too
+console.quiet_dependency_warnings("--verbose" in sys.argv)
+
+from core.errors import ConfigError, TrainingError, one_line  # noqa: E402
+from multimodal.config import config_to_yaml, load_config, resolve_sources, validate  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpu-mem-gib", type=float, default=80.0,
                         help="--dry-run: GiB per GPU to fit in (H100 80GB: 80; H200 141GB = 131 GiB)")
     parser.add_argument("--verbose", action="store_true",
-                        help="print the full traceback of a reported error on the console too")
+                        help="print the full traceback of a reported error on the console too, and every "
+                             "dependency warning (otherwise counted in one line at the end)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.iters=100 parallel.tp=2")
     args = parser.parse_intermixed_args(argv)  # overrides may come before or after the options
     rank = int(os.environ.get("RANK", "0"))
@@ -57,7 +63,12 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from multimodal.training import train
 
-        train(cfg)
+        try:
+            train(cfg)
+        finally:
+            held = console.summary()
+            if held and rank == 0:
+                logging.getLogger("pretrain_multimodal").info(held)
     except TrainingError as e:
         # a refused recipe (and anything a dry run finds) happened before any run: its one line is
         # the whole story, and no run directory should appear for it

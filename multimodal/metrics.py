@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import sys
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -24,6 +25,7 @@ class MetricsSink:
         self.enabled = enabled
         self.interval = cfg.interval
         self.jsonl = self.tb = self.wandb = self.bar = None
+        self.print_lines = False
         if not enabled:
             return
         out = Path(cfg.dir)
@@ -43,7 +45,9 @@ class MetricsSink:
             # the recipe's wandb_mode wins; unset, WANDB_MODE decides, else offline
             mode = cfg.wandb_mode or os.environ.get("WANDB_MODE") or "offline"
             self.wandb = wandb.init(project=cfg.wandb_project, dir=str(out), config=config_dict, mode=mode)
-        if cfg.progress_bar:
+        # a bar redraws with carriage returns: only on a terminal, never into a captured log file
+        self.print_lines = cfg.progress_bar and not sys.stderr.isatty()
+        if cfg.progress_bar and not self.print_lines:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_iters, initial=start_iter, unit="step", dynamic_ncols=True, leave=True)
@@ -63,6 +67,8 @@ class MetricsSink:
         line = console_line(step, metrics)
         if self.bar is not None:
             self.bar.write(line)
+        elif self.print_lines:  # where the bar would have written it: stdout
+            print(line, flush=True)
         else:
             log.info(line)
 

@@ -162,7 +162,10 @@ def apply_cpu_patches() -> None:
     mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     mcore_random.initialize_rng_tracker = lambda *a, **k: None
     CPU_PATCHES.append("megatron.core.tensor_parallel.random RNG tracker")
-    log.info("CPU run: patched megatron-core at %s", ", ".join(CPU_PATCHES))
+    # the places, one per line, only at DEBUG: the count says enough on a normal start
+    log.info("CPU run: %d CUDA-only spots of megatron-core patched to run on the CPU "
+             "(multimodal/platform.py)", len(CPU_PATCHES))
+    log.debug("CPU patches: %s", ", ".join(CPU_PATCHES))
 
 
 def _with_tensor_cuda_as_identity(fn):
