@@ -103,6 +103,10 @@ class TrainConfig:
     # sizes run eagerly, counted). 0 = the vision encoder stays eager.
     cuda_graph_vision_bucket: int = 1024
     cuda_graph_vision_max_buckets: int = 24
+    # Capture every vision bucket up to this many patches at the first micro-batch, so no later
+    # step stops to capture one (e.g. the largest row of images the data can make; 0 = capture
+    # each bucket when first seen). At most cuda_graph_vision_max_buckets buckets.
+    cuda_graph_vision_warmup_patches: int = 0
     # The backward graphs add the parameter gradients into DDP's main_grad themselves (megatron's
     # grad_added_to_main_grad convention), instead of returning static gradients that autograd
     # copies and DDP's hook then adds in one launch per parameter. false: the old path.
@@ -334,6 +338,15 @@ def validate(cfg: Config, world_size: int = 1) -> None:
                  f"train.cuda_graph_vision_bucket must be 0 (vision eager) or a positive multiple of "
                  f"model.vision.spatial_merge_size^2 = {merge2}, got {t.cuda_graph_vision_bucket}")
         _require(t.cuda_graph_vision_max_buckets >= 1, "train.cuda_graph_vision_max_buckets must be >= 1")
+        _require(t.cuda_graph_vision_warmup_patches >= 0, "train.cuda_graph_vision_warmup_patches must be >= 0")
+        if t.cuda_graph_vision_warmup_patches and t.cuda_graph_vision_bucket:
+            from models.qwen35_vl.vision_graphs import bucket_count
+
+            n = bucket_count(t.cuda_graph_vision_warmup_patches, t.cuda_graph_vision_bucket)
+            _require(n <= t.cuda_graph_vision_max_buckets,
+                     f"train.cuda_graph_vision_warmup_patches={t.cuda_graph_vision_warmup_patches} needs {n} vision "
+                     f"buckets, more than train.cuda_graph_vision_max_buckets={t.cuda_graph_vision_max_buckets}; "
+                     "raise that or lower the warm-up")
     if m.freeze:
         from multimodal.freeze import check_freeze
 

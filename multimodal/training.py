@@ -108,7 +108,8 @@ def build_model_and_optimizer(cfg: Config, rt: Runtime, dtype: torch.dtype):
         if t.cuda_graph_vision_bucket and hasattr(vision, "install_cuda_graphs"):  # the model's own router
             model.vision_graphs = vision.install_cuda_graphs(t.cuda_graph_vision_bucket, t.cuda_graph_vision_max_buckets,
                                                              t.cuda_graph_max_samples,
-                                                             grads_to_main_grad=t.cuda_graph_grads_to_main_grad)
+                                                             grads_to_main_grad=t.cuda_graph_grads_to_main_grad,
+                                                             warmup_patches=t.cuda_graph_vision_warmup_patches)
     o = cfg.optimizer
     opt_cfg = McoreOptimizerConfig(
         optimizer=o.name,

@@ -242,6 +242,30 @@ def test_graphed_vision_encoder_equals_eager(mcore, with_decoder, to_main_grad, 
         assert outside and added == (set(names) - outside if to_main_grad else set())
 
 
+def test_vision_buckets_captured_up_front_serve_every_later_batch(mcore):
+    """train.cuda_graph_vision_warmup_patches: the first micro-batch captures every bucket up to
+    the limit on synthetic rows; the real batches then only replay, with the eager results."""
+    from models.qwen35_vl.vision_graphs import bucket_sizes
+
+    model, ddp, batches = _setup()
+    eager_losses, eager_grads = accumulate(ddp, model, batches)
+    graphs = model.vision_model.install_cuda_graphs(32, 8, 8, graph_factory=layer_graphs.EagerStandIn,
+                                                    warmup_patches=120)
+    losses, grads = accumulate(ddp, model, batches)
+    assert sorted(graphs.buckets) == bucket_sizes(120, 32) == [32, 64, 96, 128]
+    assert graphs.graphed_batches == 3 and not graphs.eager_batches and graphs.capture_s > 0
+    for a, b in zip(losses, eager_losses):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    _assert_rounding_close(grads, eager_grads)
+
+
+def test_config_checks_the_vision_warmup():
+    cfg = load_config("configs/qwen35_vl_proxy.yaml", ["train.cuda_graphs=true",
+                                                       "train.cuda_graph_vision_warmup_patches=40000"])
+    with pytest.raises(ConfigError, match="needs 26 vision buckets, more than train.cuda_graph_vision_max_buckets=24"):
+        validate(cfg)
+
+
 def test_vision_micro_batches_that_do_not_fit_run_eagerly_and_are_counted(mcore):
     model, ddp, batches = _setup()
     eager_losses, eager_grads = accumulate(ddp, model, batches)

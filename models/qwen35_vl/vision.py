@@ -111,11 +111,12 @@ class VisionEncoder(nn.Module):
         return self.patch_embed(pixel_values.to(self.patch_embed.weight.dtype))
 
     def install_cuda_graphs(self, bucket: int, max_buckets: int, max_images: int, graph_factory=None,
-                            grads_to_main_grad: bool = False):
+                            grads_to_main_grad: bool = False, warmup_patches: int = 0):
         """Replay blocks_and_merger as CUDA graphs per patch-count bucket (train.cuda_graphs)."""
         from models.qwen35_vl import vision_graphs  # noqa: PLC0415 - only when graphs are asked for
 
-        return vision_graphs.install(self, bucket, max_buckets, max_images, graph_factory, grads_to_main_grad)
+        return vision_graphs.install(self, bucket, max_buckets, max_images, graph_factory, grads_to_main_grad,
+                                     warmup_patches)
 
     def blocks_and_merger(self, x: torch.Tensor, angles, geo: VisionGeometry) -> torch.Tensor:
         """The ViT blocks and the patch merger: [N_patches, hidden] -> [N_patches / merge^2, out].

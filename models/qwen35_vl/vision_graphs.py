@@ -61,6 +61,15 @@ def bucket_rows(patches: int, unit: int) -> int:
     return -(-units // step) * step * unit
 
 
+def bucket_sizes(max_patches: int, unit: int) -> list[int]:
+    """Every bucket a micro-batch of up to ``max_patches`` patches can land in, ascending."""
+    return sorted({bucket_rows(p, unit) for p in range(unit, max_patches + unit, unit)})
+
+
+def bucket_count(max_patches: int, unit: int) -> int:
+    return len(bucket_sizes(max_patches, unit))
+
+
 class _Bucket:
     """Static inputs of one padded patch count: the rows, segment offsets and rotary positions."""
 
@@ -96,7 +105,7 @@ class VisionGraphs:
     """Routes ``encoder.blocks_and_merger`` through per-bucket graphs when the micro-batch fits."""
 
     def __init__(self, encoder, bucket: int, max_buckets: int, max_images: int, graph_factory=None,
-                 grads_to_main_grad: bool = False):
+                 grads_to_main_grad: bool = False, warmup_patches: int = 0):
         if bucket % encoder.merge**2:
             raise ValueError(f"the vision graph bucket ({bucket} patches) must be a multiple of "
                              f"spatial_merge_size^2 = {encoder.merge**2}")
@@ -114,6 +123,8 @@ class VisionGraphs:
         self.eager_batches: Counter = Counter()
         self.graphed_batches = 0
         self.capture_s = 0.0  # host seconds spent warming up and capturing buckets
+        # capture every bucket up to this many patches at the first training micro-batch
+        self.warmup_patches = warmup_patches
         encoder.blocks_and_merger = self._run
         encoder.embed_patches = self._embed_padded
 
@@ -139,6 +150,8 @@ class VisionGraphs:
         return self.eager_embed(F.pad(pixel_values, (0, 0, 0, self._rows(n) - n)))[:n]
 
     def _run(self, x: torch.Tensor, angles, geo: VisionGeometry) -> torch.Tensor:
+        if self.warmup_patches and self._refusal(geo, 0) is None:
+            self._capture_up_front(x, angles)
         rows = self._rows(x.shape[0])
         reason = self._refusal(geo, rows)
         bucket = self.buckets.get(rows)
@@ -151,6 +164,30 @@ class VisionGraphs:
         self.graphed_batches += 1
         out = Replay.apply(bucket.graph, F.pad(x, (0, 0, 0, rows - x.shape[0])), *self.params)
         return out[: x.shape[0] // self.encoder.merge**2]
+
+    def _capture_up_front(self, like: torch.Tensor, angles) -> None:
+        """Capture every bucket up to ``warmup_patches`` now, on synthetic rows shaped like ``like``
+        (one attention segment, positions 0), so later steps never stop to capture
+        (``train.cuda_graph_vision_warmup_patches``)."""
+        limit, self.warmup_patches = self.warmup_patches, 0
+        sizes = bucket_sizes(limit, self.bucket)
+        start, gen = time.perf_counter(), torch.Generator(device=like.device).manual_seed(0)
+        for rows in sizes:
+            if rows in self.buckets or len(self.buckets) >= self.max_buckets:
+                continue
+            x = torch.randn(rows, like.shape[1], generator=gen, device=like.device, dtype=like.dtype)
+            cu = torch.tensor([0, rows], dtype=torch.int32, device=like.device)
+            geo = VisionGeometry(cu_seqlens=cu, max_seqlen=rows, rot_pos=None, interp_index=None, interp_weight=None)
+            if isinstance(angles, tuple):
+                fake = (torch.zeros((angles[0].shape[0], rows), dtype=angles[0].dtype, device=like.device),
+                        angles[1], angles[2])
+            else:
+                fake = torch.zeros((rows, *angles.shape[1:]), dtype=angles.dtype, device=like.device)
+            _bucket, reason = self._try_capture(x, fake, geo, rows)
+            if reason is not None:
+                return
+        log.info("CUDA graphs: %d vision buckets up to %d patches captured before training in %.1f s",
+                 len(self.buckets), limit, time.perf_counter() - start)
 
     def _refusal(self, geo, rows) -> str | None:
         if self.failed is not None:
@@ -225,7 +262,8 @@ class VisionGraphs:
 
 
 def install(encoder, bucket: int, max_buckets: int, max_images: int, graph_factory=None,
-            grads_to_main_grad: bool = False) -> VisionGraphs:
+            grads_to_main_grad: bool = False, warmup_patches: int = 0) -> VisionGraphs:
     """Route ``encoder``'s blocks and merger through per-bucket CUDA graphs (``use_side_stream()``
     of models.common.layer_graphs before the model is built, as for the decoder graphs)."""
-    return VisionGraphs(encoder, bucket, max_buckets, max_images, graph_factory, grads_to_main_grad)
+    return VisionGraphs(encoder, bucket, max_buckets, max_images, graph_factory, grads_to_main_grad,
+                        warmup_patches)
