@@ -1,28 +1,39 @@
-"""Model registry: a recipe's ``model.name`` -> a builder.
+"""Model registry: a recipe's ``model.name`` -> its ``models.family.ModelFamily``.
 
-A builder takes ``(model_cfg, parallel_cfg, params_dtype, pre_process, post_process,
-deterministic)`` and returns a ``models.base.MultimodalModel``. Adding an architecture
-is one entry here plus its folder (config/specs/model/hf files, as in ``qwen35_vl/``).
+An architecture is a folder ``models/<name>/`` plus one entry in ``MODEL_REGISTRY``. Its family
+(``models/<name>/family.py``) provides everything the trainer needs of it:
+- ``build``: ``(model_cfg, parallel_cfg, params_dtype, pre_process, post_process, deterministic)``
+  -> a ``models.base.MultimodalModel`` (this pipeline stage's part);
+- ``training_flops``: forward + backward FLOPs of a batch from its sample lengths, image grids and
+  the tokens the LM head ran on (tflops_per_gpu, MFU);
+- ``stage_params`` / ``model_params``: the exact parameter count per rank of a pipeline stage and
+  of the whole model (total, active) for ``--dry-run``;
+- ``activation_bytes_per_token`` / ``vision_bytes_per_patch``: the activation terms of the dry
+  run's memory estimate, per decoder layer kind and per image patch;
+- ``recompute_mixers``: the token-mixer classes whose blocks ``gdn_qkv`` / ``gdn_norm_out``
+  recompute checkpoints (``()`` when it has none).
+The folder also holds the model's config section, layer specs, modules and HF mapping (see
+``qwen35_vl/``). ``models/family.py`` documents each field's signature.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from models.family import ModelFamily
+from models.qwen35_vl.family import FAMILY as QWEN35_VL
 
-def _qwen35_vl(*args, **kwargs):
-    from models.qwen35_vl.model import build
-
-    return build(*args, **kwargs)
-
-
-MODEL_REGISTRY: dict[str, Callable] = {
-    "qwen35_vl": _qwen35_vl,
+MODEL_REGISTRY: dict[str, ModelFamily] = {
+    "qwen35_vl": QWEN35_VL,
 }
 
 
-def get_model_builder(name: str) -> Callable:
+def get_model_family(name: str) -> ModelFamily:
     try:
         return MODEL_REGISTRY[name]
     except KeyError:
         raise KeyError(f"model.name {name!r} is not registered; known: {sorted(MODEL_REGISTRY)}") from None
+
+
+def get_model_builder(name: str) -> Callable:
+    return get_model_family(name).build

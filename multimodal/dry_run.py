@@ -8,14 +8,16 @@ What it does, on a laptop, in well under a second:
    naming the field and the fix. A refusal only because the trainer does not support a layout
    yet (validate's "... not implemented yet") is reported as a note, not an error: a dry run
    checks the layout arithmetic of the target run.
-2. Counts the parameters every rank holds, exactly, from the recipe's shapes (``stage_params``):
+2. Counts the parameters every rank holds, exactly, from the recipe's shapes (``stage_params``,
+   the model family's count: ``ModelFamily.stage_params``, e.g. models/qwen35_vl/param_counts.py):
    the model is not built. Meta-device construction of megatron-core modules needs real process
    groups of the target size; instead the count mirrors what megatron-core and our modules
    allocate, and tests/test_dry_run.py proves it equal to ``sum(p.numel())`` of the real model
    (dense and MoE proxies, TP/PP/EP = 1 and 2).
 3. Estimates memory per GPU (``stage_memory``): bf16 weights, the fp32 gradient buffer, the fp32
    main params + Adam moments (sharded over data-parallel ranks by the distributed optimizer),
-   activations of the micro-batches a 1F1B pipeline keeps in flight, and a fixed overhead.
+   activations of the micro-batches a 1F1B pipeline keeps in flight (bytes per token of each
+   decoder layer kind and per image patch: the model family's), and a fixed overhead.
 
 World size: ``--world-size``, else ``parallel.world_size`` from the recipe (the GPUs the layout
 is designed for), else the smallest world the layout fits (tp*pp*lcm(cp, ep), data-parallel 1
@@ -26,10 +28,8 @@ Layout conventions (those of megatron-core as this trainer sets it up):
   the embedding and the vision encoder live on the first stage, the final norm and the output
   layer on the last. With tied embeddings and pp > 1 the last stage holds its own copy of the
   embedding matrix as the output weight (megatron keeps the two in sync).
-- Tensor parallel shards: the vocabulary (embedding, output layer), attention's fused
-  q|gate|k|v and output projections, GDN's in_proj, conv1d, A_log, dt_bias and out_proj, the
-  dense MLP and the shared expert. Replicated on every TP rank: all norms (decoder norms, q/k
-  norms, the GDN gated norm), the MoE router, the shared-expert gate and the whole vision encoder.
+- Tensor parallel shards the vocabulary and the decoder's projections; what each layer kind
+  shards or replicates is the family's count (models/qwen35_vl/param_counts.py says it for Qwen3.5).
 - Experts: ``num_experts / ep`` per rank, each sharded over expert-TP = tp (megatron's default
   ``expert_tensor_parallel_size``; the trainer does not change it). The expert data-parallel
   group is ``world / (pp * tp * ep)``; dense parameters are data-parallel over ``dp * cp``.
@@ -39,9 +39,10 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from models.qwen35_vl.config import ModelConfig
+from models import get_model_family
+from models.family import StageParams
 from multimodal.config import Config, ConfigError, validate, validate_layout
 
 GIB = 1024**3
@@ -185,190 +186,18 @@ def _divisors(n: int) -> list[int]:
 # ---------------------------------------------------------------- parameters
 
 
-def merger_params(m: ModelConfig) -> int:
-    """The 2x2 patch merger: LayerNorm, fc1, fc2 (with biases)."""
-    h = m.vision.hidden_size
-    merged = h * m.vision.spatial_merge_size**2
-    return 2 * h + (merged * merged + merged) + (merged * m.hidden_size + m.hidden_size)
+def stage_params(m, tp: int = 1, pp: int = 1, ep: int = 1, stage: int = 0) -> StageParams:
+    """Parameters one rank of pipeline stage ``stage`` holds (every TP/CP/EP/DP rank of a stage
+    holds as many): the model family's count."""
+    return get_model_family(m.name).stage_params(m, tp, pp, ep, stage)
 
 
-def vision_params(m: ModelConfig) -> int:
-    """models/qwen35_vl/vision.py: patch embed, learned positions, ViT blocks, 2x2 merger (all with biases)."""
-    v = m.vision
-    h, f = v.hidden_size, v.intermediate_size
-    patch = v.in_channels * v.temporal_patch_size * v.patch_size**2
-    block = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (f * h + f) + (h * f + h)
-    return (patch * h + h) + v.num_position_embeddings * h + v.depth * block + merger_params(m)
-
-
-def gdn_params(m: ModelConfig, tp: int) -> int:
-    """megatron GatedDeltaNet: in_proj [q|k|v|z|beta|alpha], depthwise conv1d over q|k|v (no bias),
-    A_log and dt_bias per value head, all TP-sharded; the gated out_norm (one value head wide) is
-    replicated; out_proj is row-parallel."""
-    qk = m.linear_num_key_heads * m.linear_key_head_dim
-    v = m.linear_num_value_heads * m.linear_value_head_dim
-    nv = m.linear_num_value_heads
-    in_proj = m.hidden_size * (2 * qk + 2 * v + 2 * nv) // tp
-    conv = (2 * qk + v) // tp * m.linear_conv_kernel_dim
-    return in_proj + conv + 2 * nv // tp + m.linear_value_head_dim + v // tp * m.hidden_size
-
-
-def attention_params(m: ModelConfig, tp: int) -> int:
-    """Gated attention: fused q|gate|k|v (column-parallel), output projection (row-parallel), q/k norms."""
-    q = m.num_attention_heads * m.head_dim
-    kv = m.num_query_groups * m.head_dim
-    return m.hidden_size * (2 * q + 2 * kv) // tp + q // tp * m.hidden_size + 2 * m.head_dim
-
-
-def mlp_params(m: ModelConfig, tp: int, ep: int) -> tuple[int, int]:
-    """(dense, expert) parameters of one layer's MLP block on one rank (SwiGLU: fc1 = [gate|up])."""
-    h = m.hidden_size
-    if not m.num_experts:
-        return 3 * h * m.ffn_hidden_size // tp, 0
-    dense = m.num_experts * h  # router, replicated
-    if m.moe_shared_expert_intermediate_size:
-        dense += 3 * h * m.moe_shared_expert_intermediate_size // tp + h  # shared expert + its gate
-    experts = m.num_experts // ep * 3 * h * m.moe_ffn_hidden_size // tp  # expert TP = tp
-    return dense, experts
-
-
-def lora_params(m: ModelConfig, n_gdn: int, n_attn: int, tp: int = 1) -> int:
-    """Adapter parameters on one TP rank of ``model.lora`` on ``n_gdn`` GDN and ``n_attn``
-    attention layers (multimodal/lora.py's targets): rank x (in + out / tp) per column-parallel
-    layer (A whole, B split), rank x (in / tp + out) per row-parallel one (A split, B whole)."""
-    lora = getattr(m, "lora", None)
-    if lora is None or not lora.rank:
-        return 0
-    h, t = m.hidden_size, set(lora.targets)
-    qk = m.linear_num_key_heads * m.linear_key_head_dim
-    v = m.linear_num_value_heads * m.linear_value_head_dim
-    q, kv = m.num_attention_heads * m.head_dim, m.num_query_groups * m.head_dim
-    gdn = (("in_proj" in t) * (h + (2 * qk + 2 * v + 2 * m.linear_num_value_heads) // tp)
-           + ("out_proj" in t) * (v // tp + h))
-    attn = ("linear_qkv" in t) * (h + (2 * q + 2 * kv) // tp) + ("linear_proj" in t) * (q // tp + h)
-    if m.num_experts:
-        s = m.moe_shared_expert_intermediate_size or 0
-        mlp = ("shared_experts" in t) * bool(s) * (h + 2 * s // tp + s // tp + h)
-    else:
-        f = m.ffn_hidden_size
-        mlp = ("linear_fc1" in t) * (h + 2 * f // tp) + ("linear_fc2" in t) * (f // tp + h)
-    return lora.rank * (n_gdn * (gdn + mlp) + n_attn * (attn + mlp))
-
-
-def stage_layers(m: ModelConfig, pp: int, stage: int) -> range:
-    per = m.num_layers // pp
-    return range(stage * per, (stage + 1) * per)
-
-
-@dataclass
-class StageParams:
-    stage: int
-    num_gdn: int
-    num_attention: int
-    parts: dict[str, int] = field(default_factory=dict)  # component -> parameters on one rank
-    expert: int = 0  # of the total, parameters in routed experts (expert-data-parallel)
-    frozen: int = 0  # of the total, parameters model.freeze holds still (no grad, no optimizer state)
-    frozen_expert: int = 0  # of the frozen, routed-expert parameters
-
-    @property
-    def total(self) -> int:
-        return sum(self.parts.values())
-
-    @property
-    def dense(self) -> int:
-        return self.total - self.expert
-
-
-def stage_params(m: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1, stage: int = 0) -> StageParams:
-    """Parameters one rank of pipeline stage ``stage`` holds (every TP/CP/EP/DP rank of a stage holds as many)."""
-    h, first, last = m.hidden_size, stage == 0, stage == pp - 1
-    layers = stage_layers(m, pp, stage)
-    n_attn = sum(m.is_full_attention(i) for i in layers)
-    n_gdn = len(layers) - n_attn
-    dense_mlp, expert_mlp = mlp_params(m, tp, ep)
-    parts = {
-        "embedding": m.vocab_size // tp * h if first else 0,
-        "vision": vision_params(m) if first else 0,
-        "gdn": n_gdn * gdn_params(m, tp),
-        "attention": n_attn * attention_params(m, tp),
-        "norms": len(layers) * 2 * h + (h if last else 0),
-        "mlp": len(layers) * dense_mlp,
-        "experts": len(layers) * expert_mlp,
-        # untied: its own matrix; tied: shared with the embedding on one stage, a synced copy when pp > 1
-        "output": m.vocab_size // tp * h if last and (not m.tie_word_embeddings or not first) else 0,
-    }
-    frozen_by_group = {
-        "vision": parts["vision"] - (merger_params(m) if first else 0),
-        "merger": merger_params(m) if first else 0,
-        "language": sum(parts[k] for k in ("gdn", "attention", "norms", "mlp", "experts")),
-        "embedding": parts["embedding"],
-        "lm_head": parts["output"],
-    }
-    freeze = set(getattr(m, "freeze", ()))
-    frozen = sum(n for g, n in frozen_by_group.items() if g in freeze)
-    lora = getattr(m, "lora", None)
-    if lora is not None and lora.rank:  # model.lora: every base weight frozen, the adapters train
-        frozen = sum(parts.values())
-        parts["lora"] = lora_params(m, n_gdn, n_attn, tp)
-        return StageParams(stage, n_gdn, n_attn, parts, parts["experts"], frozen, parts["experts"])
-    return StageParams(stage, n_gdn, n_attn, parts, parts["experts"], frozen,
-                       parts["experts"] if "language" in freeze else 0)
-
-
-def model_params(m: ModelConfig) -> tuple[int, int]:
+def model_params(m) -> tuple[int, int]:
     """(total, active per token) parameters of the whole model, each weight counted once."""
-    full = stage_params(m)
-    total = full.total
-    active = total
-    if m.num_experts:
-        per_expert = 3 * m.hidden_size * m.moe_ffn_hidden_size
-        active -= m.num_layers * (m.num_experts - m.moe_router_topk) * per_expert
-    return total, active
+    return get_model_family(m.name).model_params(m)
 
 
 # ---------------------------------------------------------------- memory
-
-
-def activation_bytes_per_token(m: ModelConfig, lay: Layout) -> dict[str, float]:
-    """Bytes of saved activations per token of a micro-batch for one decoder layer of each kind.
-
-    bf16 tensors kept for backward, no recomputation; TP-sharded tensors are divided by tp,
-    hidden-sized ones (norm inputs/outputs) too under sequence parallel. With a = heads,
-    g = KV groups, d = head_dim, h = hidden, f = ffn, K/V = GDN key/value widths, nv = GDN value
-    heads, dk = key head dim, E/k/fe/fs = experts/top-k/expert ffn/shared ffn:
-      every layer    8h          two RMSNorms: input + output
-      attention      12ad + 8gd  q|gate|k|v, normed q/k, rotated q/k, attention out, gated out
-      GDN            8K + 14V + 4*nv*dk + 266*nv
-                                  in_proj out, conv out, l2-normed q/k repeated to nv heads, v, z,
-                                  core out, norm in/out, fp32 decay/beta and the chunk-64 fp32
-                                  intra-chunk matrix of the delta rule
-      dense MLP      8f          fc1 out [gate|up], silu(gate), product (fc2 input)
-      MoE            8E + k(4h + 8fe/tp) + 8fs/tp
-                                  fp32 router logits + probs; per routed copy: the permuted input
-                                  (fc1's input), expert fc1/act/product, the expert output (kept to
-                                  weight it by its routing prob); the shared expert. Routed
-                                  copies are not divided by tp: with expert-TP the dispatcher
-                                  all-gathers the TP ranks' tokens.
-    Context parallel divides the tokens (each rank keeps seq/cp of every sequence; GDN's
-    head-parallel all-to-all trades tokens for heads at the same byte count).
-    """
-    t = lay.tp
-    sp = t if lay.sequence_parallel else 1
-    a, g, d, h = m.num_attention_heads, m.num_query_groups, m.head_dim, m.hidden_size
-    qk = m.linear_num_key_heads * m.linear_key_head_dim
-    v = m.linear_num_value_heads * m.linear_value_head_dim
-    nv, dk = m.linear_num_value_heads, m.linear_key_head_dim
-    common = 8 * h / sp
-    if m.num_experts:
-        fs = m.moe_shared_expert_intermediate_size
-        mlp = (8 * m.num_experts / sp + m.moe_router_topk * (4 * h + 8 * m.moe_ffn_hidden_size / t)
-               + 8 * fs / t)
-    else:
-        mlp = 8 * m.ffn_hidden_size / t
-    return {
-        "attention": common + (12 * a * d + 8 * g * d) / t + mlp,
-        "gdn": common + (8 * qk + 14 * v + 4 * nv * dk + 266 * nv) / t + mlp,
-    }
 
 
 def image_fraction(cfg: Config) -> float:
@@ -389,12 +218,6 @@ def image_fraction(cfg: Config) -> float:
     return img / (img + 256)
 
 
-def vision_bytes_per_patch(m: ModelConfig) -> float:
-    """Per ViT block: two LayerNorms in/out, qkv, rotated q/k, attention out, fc1 out, gelu out."""
-    h, f = m.vision.hidden_size, m.vision.intermediate_size
-    return m.vision.depth * (20 * h + 4 * f)
-
-
 @dataclass
 class StageMemory:
     weights: float
@@ -411,7 +234,8 @@ class StageMemory:
 
 def stage_memory(cfg: Config, lay: Layout, sp_: StageParams, overhead_gib: float = DEFAULT_OVERHEAD_GIB,
                  img_fraction: float | None = None) -> StageMemory:
-    """GiB per GPU of one pipeline stage (see activation_bytes_per_token for the activation terms)."""
+    """GiB per GPU of one pipeline stage (the activation terms per layer kind and per image patch
+    are the model family's: ``activation_bytes_per_token``, ``vision_bytes_per_patch``)."""
     m, t = cfg.model, cfg.train
     weights = BF16 * sp_.total
     # frozen weights (model.freeze) have no gradient buffer and no optimizer state
@@ -422,16 +246,17 @@ def stage_memory(cfg: Config, lay: Layout, sp_: StageParams, overhead_gib: float
         optim = OPTIM_BYTES * (dense_trained / (lay.dp * lay.cp) + expert_trained / max(lay.edp, 1))
     else:
         optim = OPTIM_BYTES * (dense_trained + expert_trained)
+    family = get_model_family(m.name)
     tokens = t.micro_batch_size * t.seq_length / lay.cp  # tokens of one micro-batch on this rank
-    per_tok = activation_bytes_per_token(m, lay)
-    act = tokens * (sp_.num_gdn * per_tok["gdn"] + sp_.num_attention * per_tok["attention"])
+    per_tok = family.activation_bytes_per_token(m, lay)
+    act = tokens * sum(n * per_tok[kind] for kind, n in sp_.layers.items())
     if sp_.stage == 0:
         frac = image_fraction(cfg) if img_fraction is None else img_fraction
         # every TP and CP rank of the first stage encodes all images of the micro-batch
         patches = frac * t.micro_batch_size * t.seq_length * m.vision.spatial_merge_size**2
         lora_on = getattr(getattr(m, "lora", None), "rank", 0)
         if "vision" not in getattr(m, "freeze", ()) and not lora_on:  # a frozen ViT keeps nothing for backward
-            act += patches * vision_bytes_per_patch(m)
+            act += patches * family.vision_bytes_per_patch(m)
         act += tokens * 2 * m.hidden_size  # embeddings
     in_flight = lay.in_flight(sp_.stage)
     act *= in_flight
@@ -463,7 +288,7 @@ def dry_run(cfg: Config, world_size: int | None = None, gpu_mem_gib: float = 80.
     lay, notes = check_layout(cfg, world)
     m = cfg.model
     total, active = model_params(m)
-    vis = vision_params(m)
+    vis = stage_params(m).parts.get("vision", 0)
     stages = [stage_params(m, lay.tp, lay.pp, lay.ep, s) for s in range(lay.pp)]
     mems = [stage_memory(cfg, lay, s, overhead_gib, img_fraction) for s in stages]
 
@@ -494,7 +319,7 @@ def dry_run(cfg: Config, world_size: int | None = None, gpu_mem_gib: float = 80.
     for first_s, last_s in _groups(stages, mems):
         sp_, mem = stages[first_s], mems[first_s]
         name = f"{first_s}" if first_s == last_s else f"{first_s}-{last_s}"
-        layers = f"{sp_.num_gdn}g+{sp_.num_attention}a"
+        layers = "+".join(f"{n}{kind[0]}" for kind, n in sp_.layers.items())  # e.g. 6g+2a: 6 GDN, 2 attention
         fits = "yes" if mem.total <= gpu_mem_gib else "NO"
         worst = max(worst, mem.total)
         out(f"  {name:<8}{layers:>10}{_fmt_params(sp_.total):>10}{_fmt_params(sp_.expert):>10}"
@@ -518,10 +343,10 @@ def _groups(stages: list[StageParams], mems: list[StageMemory]) -> list[tuple[in
     """Runs of consecutive stages with identical rows (first, middle..., last collapse to ~3 rows)."""
     rows: list[tuple[int, int]] = []
     for i, (s, mem) in enumerate(zip(stages, mems)):
-        key = (s.parts, s.num_gdn, s.num_attention, round(mem.total, 3))
+        key = (s.parts, s.layers, round(mem.total, 3))
         if rows and i - 1 == rows[-1][1]:
             j = rows[-1][0]
-            prev = (stages[j].parts, stages[j].num_gdn, stages[j].num_attention, round(mems[j].total, 3))
+            prev = (stages[j].parts, stages[j].layers, round(mems[j].total, 3))
             if prev == key:
                 rows[-1] = (j, i)
                 continue

@@ -55,9 +55,10 @@ def sweep_choices(model_cfg) -> list[list[str]]:
     return choices
 
 
-def apply_recompute(model: torch.nn.Module, modules: list[str]) -> int:
+def apply_recompute(model: torch.nn.Module, modules: list[str], model_name: str | None = None) -> int:
     """Turn on recompute for ``modules`` in every decoder layer of ``model``; returns the number
-    of blocks changed."""
+    of blocks changed. ``gdn_qkv`` / ``gdn_norm_out`` apply to the mixers the model family names
+    (``ModelFamily.recompute_mixers``): those of ``model_name``'s family, else of every registered one."""
     reason = check_modules(list(modules))
     if reason:
         raise ValueError(reason)
@@ -66,7 +67,10 @@ def apply_recompute(model: torch.nn.Module, modules: list[str]) -> int:
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from models.qwen35_vl.gdn import Qwen35GatedDeltaNet
+    from models import MODEL_REGISTRY, get_model_family
+
+    families = [get_model_family(model_name)] if model_name else list(MODEL_REGISTRY.values())
+    split_mixers = tuple(cls for family in families for cls in family.recompute_mixers())
 
     changed = 0
     for layer in model.modules():
@@ -83,7 +87,7 @@ def apply_recompute(model: torch.nn.Module, modules: list[str]) -> int:
             layer.mlp.experts.recompute_act = True
             changed += 1
         norm = "layernorm" in modules
-        is_gdn = isinstance(mixer, Qwen35GatedDeltaNet)
+        is_gdn = isinstance(mixer, split_mixers)
         qkv, norm_out = is_gdn and "gdn_qkv" in modules, is_gdn and "gdn_norm_out" in modules
         if norm or qkv or norm_out:
             _LayerRecompute(layer, norm, qkv, norm_out)
@@ -126,7 +130,7 @@ class _Replay(torch.autograd.Function):
 class _DiscardCheckpoint:
     """One block: run without a graph, free its outputs' storage, regenerate them on demand.
 
-    The blocks recomputed here draw no random numbers (no dropout in Qwen3.5), so no RNG state
+    The blocks recomputed here draw no random numbers (they hold no dropout), so no RNG state
     is saved; the replay is the same computation on the same inputs, hence bit-identical."""
 
     def __init__(self, fn, *args):

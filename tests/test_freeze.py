@@ -85,7 +85,7 @@ def test_dry_run_counts_frozen_weights_out_of_grads_and_optimizer():
 
     full_sp, full = memory([])
     sp, frozen = memory(["vision", "merger"])
-    from multimodal.dry_run import vision_params
+    from models.qwen35_vl.param_counts import vision_params
 
     assert sp.frozen == vision_params(load_config("configs/qwen35_vl_2b.yaml").model) and full_sp.frozen == 0
     gib = 2**30

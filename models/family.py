@@ -1,0 +1,64 @@
+"""What an architecture provides to the trainer: one ``ModelFamily`` per entry of ``models.MODEL_REGISTRY``.
+
+The trainer (``multimodal/``) reaches an architecture only through these fields, so the knowledge
+of its layers (layer kinds, widths, module classes) stays in its folder ``models/<name>/``. This
+module imports no torch or megatron: the dry run and the FLOP count load it on a machine without
+GPUs, in well under a second.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StageParams:
+    """Parameters one rank of pipeline stage ``stage`` holds (``ModelFamily.stage_params``)."""
+
+    stage: int
+    layers: dict[str, int]  # decoder layer kind -> its layers on this stage (keys of activation_bytes_per_token)
+    parts: dict[str, int] = field(default_factory=dict)  # component -> parameters on one rank
+    expert: int = 0  # of the total, parameters in routed experts (expert-data-parallel)
+    frozen: int = 0  # of the total, parameters model.freeze holds still (no grad, no optimizer state)
+    frozen_expert: int = 0  # of the frozen, routed-expert parameters
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def dense(self) -> int:
+        return self.total - self.expert
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One architecture, as the trainer sees it. ``m`` below is the recipe's ``model`` section.
+
+    - ``build(model_cfg, parallel_cfg, params_dtype, pre_process=True, post_process=True,
+      deterministic=False)`` -> ``models.base.MultimodalModel`` (this pipeline stage's part).
+    - ``training_flops(m, sample_lengths, image_grids, lm_head_tokens=None)`` -> forward + backward
+      FLOPs of the real samples of a batch: their lengths, the (t, h, w) patch grid of each image,
+      and the tokens the LM head ran on (None: every real token). Feeds tflops_per_gpu and MFU.
+    - ``stage_params(m, tp=1, pp=1, ep=1, stage=0)`` -> ``StageParams``: the exact parameter count
+      of one rank of a pipeline stage (tests/test_dry_run.py compares it with the built model);
+      a ``parts["vision"]`` entry, when present, is reported as the vision share.
+    - ``model_params(m)`` -> (total, active per token) parameters of the whole model.
+    - ``activation_bytes_per_token(m, layout)`` -> {layer kind: bytes of saved activations per
+      token of one decoder layer of that kind}; ``layout`` has ``tp`` and ``sequence_parallel``.
+    - ``vision_bytes_per_patch(m)`` -> bytes of saved activations per image patch in the encoder.
+    - ``recompute_mixers()`` -> the token-mixer classes whose blocks ``train.recompute_modules``
+      ``gdn_qkv`` / ``gdn_norm_out`` checkpoint (multimodal/recompute.py). Such a mixer has
+      ``in_proj``, ``prepare(hidden, cu_seqlens, varlen)`` and ``norm_out(core, z)``; a family
+      without one returns ``()``. Called only when recompute is installed (it may import torch).
+    """
+
+    name: str
+    build: Callable
+    training_flops: Callable[..., float]
+    stage_params: Callable[..., StageParams]
+    model_params: Callable[..., tuple[int, int]]
+    activation_bytes_per_token: Callable[..., dict[str, float]]
+    vision_bytes_per_patch: Callable[..., float]
+    recompute_mixers: Callable[[], Iterable[type]] = lambda: ()

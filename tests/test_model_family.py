@@ -1,0 +1,56 @@
+"""The model registry as a plug-in point: the trainer's FLOPs and dry-run counts come from the
+family registered under the recipe's ``model.name``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+import models
+from models import MODEL_REGISTRY, get_model_builder, get_model_family
+from models.family import ModelFamily, StageParams
+
+
+def _fake_family() -> ModelFamily:
+    return ModelFamily(
+        name="fake",
+        build=lambda *a, **k: "built",
+        training_flops=lambda m, lengths, grids, lm_head_tokens=None: 7.0 * sum(lengths),
+        stage_params=lambda m, tp=1, pp=1, ep=1, stage=0: StageParams(stage, {"mixer": 2},
+                                                                      {"vision": 5, "dec": 11 // tp}),
+        model_params=lambda m: (16, 16),
+        activation_bytes_per_token=lambda m, lay: {"mixer": 1.0},
+        vision_bytes_per_patch=lambda m: 0.0,
+    )
+
+
+def test_a_registered_family_is_what_the_trainer_dispatches_to(monkeypatch):
+    from multimodal import dry_run
+    from multimodal.flops import training_flops
+
+    fake = _fake_family()
+    monkeypatch.setitem(MODEL_REGISTRY, "fake", fake)
+    assert get_model_family("fake") is fake
+    assert get_model_builder("fake")() == "built"
+    m = SimpleNamespace(name="fake")
+    assert training_flops(m, [3, 4], []) == 49.0
+    sp = dry_run.stage_params(m, tp=2)
+    assert sp.layers == {"mixer": 2} and sp.total == 10
+    assert dry_run.model_params(m) == (16, 16)
+    assert tuple(fake.recompute_mixers()) == ()  # the default: no mixer for gdn_qkv / gdn_norm_out
+
+
+def test_an_unknown_name_is_a_one_line_error():
+    with pytest.raises(KeyError) as err:
+        get_model_family("llama")
+    msg = err.value.args[0]
+    assert msg == "model.name 'llama' is not registered; known: ['qwen35_vl']" and "\n" not in msg
+
+
+def test_qwen35_vl_is_registered_with_its_family():
+    family = models.get_model_family("qwen35_vl")
+    assert family.name == "qwen35_vl"
+    from models.qwen35_vl import flops, param_counts
+
+    assert family.training_flops is flops.training_flops and family.stage_params is param_counts.stage_params
