@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core import parallel_state as ps
 
 from models.common.lora import is_adapter_param
 from multimodal import checkpoint_checks as checks
@@ -67,7 +68,8 @@ def _set_rng_state(state: dict) -> None:
     else:  # written before the plain form: numpy's own tuple
         np.random.set_state(n)
     torch.set_rng_state(state["torch"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    if "tracker" in state:
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
     if torch.cuda.is_available() and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"])
 
@@ -200,9 +202,35 @@ def save(ckpt_dir: str, iteration: int, model, optimizer, scheduler, data_state:
     # the trainer checks the weights before every save (multimodal/nonfinite.py): pruning keeps
     # the newest checkpoint marked so
     trainer = {"iteration": iteration, "scheduler": scheduler.state_dict(), "world_size": dist.get_world_size(),
-               "finite": True}
+               "finite": True, **_data_parallel_map()}
     return _write(Path(ckpt_dir), iteration, _sharded_state(model, optimizer, is_loading=False), trainer,
                   meta_files, {"rng": _rng_state(), "data": data_state}, keep_last, saves)
+
+
+def _data_parallel_map() -> dict:
+    """The data-parallel size and each global rank's data-parallel rank (one small all-gather at
+    save time): a resume under another TP / PP / CP layout with the same data-parallel size finds
+    in them the rank file that holds its data position."""
+    if not ps.model_parallel_is_initialized():
+        return {}
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, ps.get_data_parallel_rank())
+    return {"data_parallel_size": ps.get_data_parallel_world_size(), "data_parallel_ranks": ranks}
+
+
+def _rank_file_for(path: Path, trainer: dict) -> tuple[Path | None, bool]:
+    """(the rank file whose RNG and data position this rank continues, whether it was written by
+    this very rank under the same world size). Under another world size with the same data-parallel
+    size (TP, PP or CP changed), every rank of a data-parallel rank read the same samples, so the
+    first one's file serves; otherwise None: the data order restarts."""
+    own = path / "rank_state" / f"rank{dist.get_rank():05d}.pt"
+    if trainer.get("world_size") == dist.get_world_size():
+        return (own if own.is_file() else None), True
+    ranks = trainer.get("data_parallel_ranks")
+    if not ranks or trainer.get("data_parallel_size") != ps.get_data_parallel_world_size():
+        return None, False
+    source = path / "rank_state" / f"rank{ranks.index(ps.get_data_parallel_rank()):05d}.pt"
+    return (source if source.is_file() else None), False
 
 
 def _prune(root: Path, keep_last: int) -> None:
@@ -349,8 +377,6 @@ def check_loadable(path: Path, model, model_config: dict | None = None) -> dict:
         stored = checks.stored_shapes(path)
     except Exception as e:  # noqa: BLE001 - a damaged .metadata in a checkpoint without a manifest
         raise checks.corrupt(path, f"{path / '.metadata'} does not load ({one_line(e)})") from e
-    from megatron.core import parallel_state as ps
-
     whole = not ps.model_parallel_is_initialized() or ps.get_pipeline_model_parallel_world_size() == 1
     sharded = model.sharded_state_dict()
     if trainer.get("weights_only"):  # a base-only checkpoint under model.lora: the adapters start fresh
@@ -390,13 +416,21 @@ def load(path: Path, model, optimizer, scheduler, model_config: dict | None = No
         optimizer.load_state_dict(state["optimizer"])
     _restore_steps(optimizer)
     scheduler.load_state_dict(trainer["scheduler"])
-    rank_file = path / "rank_state" / f"rank{dist.get_rank():05d}.pt"
+    rank_file, same_layout = _rank_file_for(path, trainer)
     data_state = None
-    if rank_file.is_file() and trainer.get("world_size") == dist.get_world_size():
+    if rank_file is not None:
         rank_state = _load_rank_file(rank_file)
-        _set_rng_state(rank_state["rng"])
+        rng = rank_state["rng"]
+        if not same_layout:
+            # megatron's tensor-parallel RNG streams belong to the writer's TP rank: keep this
+            # rank's own (they only feed dropout inside tensor-parallel regions)
+            rng = {k: v for k, v in rng.items() if k != "tracker"}
+            log.info("checkpoint was written under another layout with the same data-parallel size: the "
+                     "data position and RNG continue from %s", rank_file.name)
+        _set_rng_state(rng)
         data_state = rank_state["data"]
     else:
-        log.warning("checkpoint was written by another world size: RNG and data position restart per rank")
+        log.warning("checkpoint was written with another data-parallel size: RNG and data position restart "
+                    "per rank")
     log.info("loaded checkpoint %s (iteration %d)", path, trainer["iteration"])
     return trainer["iteration"], data_state

@@ -342,6 +342,21 @@ def test_pp2_resume_reproduces_the_uninterrupted_run(tmp_path, pp2_run):
         assert resumed[step]["grad_norm"] == full[step]["grad_norm"], step
 
 
+@pytest.mark.slow
+def test_a_pp2_checkpoint_resumes_in_one_process_where_it_left_off(tmp_path, pp2_run):
+    """Another layout with the same data-parallel size (here PP=2 -> one process): the data
+    position and RNG continue from the rank file of the same data-parallel rank, so the resumed
+    steps are the uninterrupted run's (within the layouts' fp32 tolerance), not a restarted data
+    order (which fed other samples at step 3)."""
+    out, full = pp2_run
+    resumed = _run(tmp_path, DENSE, *PACKED, f"checkpoint.load={out / 'ck' / 'iter_0000002'}", "checkpoint.dir=null")
+    assert sorted(resumed) == [3, 4]
+    for step in (3, 4):
+        assert resumed[step]["supervised_tokens"] == full[step]["supervised_tokens"], step
+        assert abs(resumed[step]["loss"] - full[step]["loss"]) < LOSS_TOL, step
+        assert resumed[step]["grad_norm"] == pytest.approx(full[step]["grad_norm"], rel=2e-3), step
+
+
 _TIED_INIT_WORKER = '''
 import json, sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
