@@ -11,28 +11,36 @@ from multimodal.checkpoint_checks import manifest_problem
 
 pytestmark = pytest.mark.slow
 
-# the writer process of the save at step 4 takes its time; the run kills itself with SIGKILL in
-# step 6, while that write is still going on
-SLOW_WRITE_THEN_KILL = """
+def _slow_write_then(sig: str, at_step: int, sleep_s: int) -> str:
+    """A prelude: the writer process of the save at step 4 sleeps ``sleep_s`` seconds (once per
+    writer, not once per tensor), and the run sends itself ``sig`` in step ``at_step``."""
+    return f"""
 import functools, os, signal, time
 from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
 real = fa._write_item
 @functools.wraps(real)
 def slow(*args, **kwargs):
     stream = next(a for a in args if hasattr(a, "write"))
-    if "iter_0000004" in str(getattr(stream, "name", "")):
-        time.sleep(600)
+    if "iter_0000004" in str(getattr(stream, "name", "")) and not getattr(slow, "slept", False):
+        slow.slept = True
+        time.sleep({sleep_s})
     return real(*args, **kwargs)
 fa._write_item = slow
 import multimodal.training as tr
 real_add = tr._Window.add
 def add(self, batches, model_cfg):
     add.steps = getattr(add, "steps", 0) + 1
-    if add.steps == 6:
-        os.kill(os.getpid(), signal.SIGKILL)
+    if add.steps == {at_step}:
+        os.kill(os.getpid(), signal.{sig})
     return real_add(self, batches, model_cfg)
 tr._Window.add = add
 """
+
+
+# the save at step 4 is still being written when the run kills itself (SIGKILL) in step 6
+SLOW_WRITE_THEN_KILL = _slow_write_then("SIGKILL", 6, 600)
+# the save at step 4 takes a few seconds in its writer process; SIGTERM arrives in step 5
+SLOW_WRITE_THEN_SIGTERM = _slow_write_then("SIGTERM", 5, 5)
 
 
 def test_async_saves_complete_and_resume(tmp_path):
@@ -62,28 +70,6 @@ def test_kill_during_an_async_save_keeps_the_previous_latest(tmp_path):
     assert [r["step"] for r in resumed.rows()] == [3]
 
 
-# the save at step 4 takes a few seconds in its writer process; SIGTERM arrives in step 5
-SLOW_WRITE_THEN_SIGTERM = """
-import functools, os, signal, time
-from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
-real = fa._write_item
-@functools.wraps(real)
-def slow(*args, **kwargs):
-    stream = next(a for a in args if hasattr(a, "write"))
-    if "iter_0000004" in str(getattr(stream, "name", "")) and not getattr(slow, "slept", False):
-        slow.slept = True  # once per writer, not once per tensor
-        time.sleep(5)
-    return real(*args, **kwargs)
-fa._write_item = slow
-import multimodal.training as tr
-real_add = tr._Window.add
-def add(self, batches, model_cfg):
-    add.steps = getattr(add, "steps", 0) + 1
-    if add.steps == 5:
-        os.kill(os.getpid(), signal.SIGTERM)
-    return real_add(self, batches, model_cfg)
-tr._Window.add = add
-"""
 
 
 def test_sigterm_waits_for_the_save_in_flight(tmp_path):
