@@ -340,9 +340,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         _require(t.cuda_graph_vision_max_buckets >= 1, "train.cuda_graph_vision_max_buckets must be >= 1")
         _require(t.cuda_graph_vision_warmup_patches >= 0, "train.cuda_graph_vision_warmup_patches must be >= 0")
         if t.cuda_graph_vision_warmup_patches and t.cuda_graph_vision_bucket:
-            from models.qwen35_vl.vision_graphs import bucket_count
+            from models.qwen35_vl.vision_graphs import bucket_sizes
 
-            n = bucket_count(t.cuda_graph_vision_warmup_patches, t.cuda_graph_vision_bucket)
+            n = len(bucket_sizes(t.cuda_graph_vision_warmup_patches, t.cuda_graph_vision_bucket))
             _require(n <= t.cuda_graph_vision_max_buckets,
                      f"train.cuda_graph_vision_warmup_patches={t.cuda_graph_vision_warmup_patches} needs {n} vision "
                      f"buckets, more than train.cuda_graph_vision_max_buckets={t.cuda_graph_vision_max_buckets}; "

@@ -85,9 +85,10 @@ def build_model_and_optimizer(cfg: Config, rt: Runtime, dtype: torch.dtype):
         average_in_collective=False,  # per-token loss: the one division is by the token count
     )
     ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+    eager_decoder = layer_graphs.decoder_layers_graphable(cfg.model)  # None: the decoder layers graph too
     # measured faster with graphed decoder layers; an eager (MoE) decoder keeps its default path
     graphs_add = (rt.is_cuda and cfg.train.cuda_graphs and cfg.train.cuda_graph_grads_to_main_grad
-                  and layer_graphs.decoder_layers_graphable(cfg.model) is None)
+                  and eager_decoder is None)
     if wgrad_fusion.resolve(cfg.model.grad_accum_fusion, graphs_add):  # needs DDP's main_grad: after the wrap
         log.info("weight-gradient accumulation fusion: %d weights (linear layers, embedding, LM head)",
                  wgrad_fusion.enable(ddp))
@@ -97,7 +98,6 @@ def build_model_and_optimizer(cfg: Config, rt: Runtime, dtype: torch.dtype):
         t = cfg.train
         # one-sample rows take cuDNN attention under `auto` (models/common/attention.py): their own graphs
         one_segment = layer_graphs.one_segment_set_wanted(cfg.model.attention_backend, rt.device)
-        eager_decoder = layer_graphs.decoder_layers_graphable(cfg.model)
         if eager_decoder is None:
             model.decoder_graphs = layer_graphs.install(model.language_model, t.cuda_graph_max_samples,
                                                         one_segment_graphs=one_segment,

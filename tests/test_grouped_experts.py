@@ -92,12 +92,17 @@ print(json.dumps(out))
 """
 
 
-def test_weighted_swiglu_kernel_matches_reference_under_interpreter():
+def _under_interpreter(script: str):
+    """Run ``script`` with Triton's CPU interpreter in a fresh process; its last line, as JSON."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", _INTERP_CHECK], capture_output=True, text=True, env=env,
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_weighted_swiglu_kernel_matches_reference_under_interpreter():
+    rows = _under_interpreter(_INTERP_CHECK)
     assert len(rows) == 3
     for n, f, *errs in rows:
         assert max(errs) < 1e-5, (n, f, errs)
@@ -227,12 +232,7 @@ print(json.dumps(out))
 
 
 def test_main_grad_accumulate_kernel_is_bit_exact_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", _ACCUMULATE_CHECK], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [[1, True], [4095, True], [4097, True],
-                                                               [12293, True]]
+    assert _under_interpreter(_ACCUMULATE_CHECK) == [[1, True], [4095, True], [4097, True], [12293, True]]
 
 
 def test_main_grad_accumulate_refuses_what_it_cannot_add():

@@ -32,6 +32,7 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
 from kernels import fused_swiglu, main_grad_accumulate
 from kernels.grouped_gemm import grouped_mm
+from kernels.wgrad_accum import added_to_main_grad
 
 log = logging.getLogger(__name__)
 
@@ -85,15 +86,15 @@ class _ExpertMLP(torch.autograd.Function):
 def _into_main_grad(weight: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """Add an expert weight gradient into DDP's fp32 ``main_grad`` here, with one vectorised kernel
     (kernels/main_grad_accumulate.py: torch's fp32 += bf16 add_ ran at ~40% of the bandwidth), and
-    flag it as megatron's fused linear layers do, so DDP's hook does not add it again. The same
-    tensor goes on to autograd as the placeholder its hook expects (it only drops it). Without
-    DDP (conversion, parity scripts) the gradient goes to ``.grad`` as usual."""
+    hand autograd the placeholder megatron's fused linear layers hand it (``added_to_main_grad``),
+    so DDP's hook does not add it again. Without DDP (conversion, parity scripts) the gradient
+    goes to ``.grad`` as usual."""
     main = getattr(weight, "main_grad", None)
     if main is None or not hasattr(weight, "grad_added_to_main_grad"):
         return grad
     main_grad_accumulate.accumulate_(main, grad)
-    weight.grad_added_to_main_grad = True
-    return grad
+    del grad  # its memory serves the placeholder
+    return added_to_main_grad(weight)
 
 
 class _Weight(torch.nn.Module):

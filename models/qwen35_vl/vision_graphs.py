@@ -66,10 +66,6 @@ def bucket_sizes(max_patches: int, unit: int) -> list[int]:
     return sorted({bucket_rows(p, unit) for p in range(unit, max_patches + unit, unit)})
 
 
-def bucket_count(max_patches: int, unit: int) -> int:
-    return len(bucket_sizes(max_patches, unit))
-
-
 class _Bucket:
     """Static inputs of one padded patch count: the rows, segment offsets and rotary positions."""
 
