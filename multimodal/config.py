@@ -350,12 +350,12 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     if m.freeze:
         from multimodal.freeze import check_freeze
 
-        why = check_freeze(m.freeze, m.tie_word_embeddings, t.cuda_graphs)
+        why = check_freeze(m.freeze, m.tie_word_embeddings)
         _require(why is None, f"model.freeze: {why}")
     if m.lora.rank:
         from multimodal.lora import check_lora
 
-        why = check_lora(m.lora, p.tp, t.cuda_graphs)
+        why = check_lora(m.lora)
         _require(why is None, f"model.lora.{why}")
     if t.recompute_modules:
         from multimodal.recompute import check_modules

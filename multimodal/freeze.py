@@ -18,7 +18,7 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def check_freeze(groups: list[str], tied_embeddings: bool, cuda_graphs: bool) -> str | None:
+def check_freeze(groups: list[str], tied_embeddings: bool) -> str | None:
     """Why this ``model.freeze`` cannot run (None when it can)."""
     from models.base import PARAMETER_GROUPS
 
@@ -30,9 +30,6 @@ def check_freeze(groups: list[str], tied_embeddings: bool, cuda_graphs: bool) ->
     if tied_embeddings and ("embedding" in groups) != ("lm_head" in groups):
         return ("embedding and lm_head are one weight (model.tie_word_embeddings=true): "
                 "freeze both or neither")
-    if cuda_graphs:
-        return ("cannot be combined with train.cuda_graphs yet (the captured backward expects every "
-                "weight to train); set train.cuda_graphs=false")
     return None
 
 

@@ -36,7 +36,7 @@ TARGETS = {
 _LAYER = re.compile(r"^language_model\.decoder\.layers\.\d+\.(.+)$")
 
 
-def check_lora(lora, tp: int, cuda_graphs: bool) -> str | None:  # tp: any (kept for the caller)
+def check_lora(lora) -> str | None:
     """Why this ``model.lora`` cannot run (None when it can); the text starts with the field."""
     if lora.rank < 0:
         return f"rank must be >= 0 (0 = off), got {lora.rank}"
@@ -52,8 +52,6 @@ def check_lora(lora, tp: int, cuda_graphs: bool) -> str | None:  # tp: any (kept
     unknown = sorted(set(lora.targets) - set(TARGETS))
     if unknown:
         return f"targets: unknown {unknown}; choose from {list(TARGETS)}"
-    if cuda_graphs:
-        return "rank: cannot be combined with train.cuda_graphs yet; set train.cuda_graphs=false"
     return None
 
 

@@ -71,6 +71,8 @@ def trainer_model_and_batches(config: str, overrides: list[str], micro_batches: 
     from models.common import layer_graphs, wgrad_fusion
     from multimodal.config import load_config, resolve_sources
     from multimodal.forward_step import to_device
+    from multimodal.freeze import freeze
+    from multimodal.lora import apply_lora
     from multimodal.platform import init_distributed
     from core.seeding import seed_everything
 
@@ -82,6 +84,9 @@ def trainer_model_and_batches(config: str, overrides: list[str], micro_batches: 
     m, t = cfg.model, cfg.train
     layer_graphs.use_side_stream()
     model = get_model_builder(m.name)(m, cfg.parallel, torch.bfloat16).cuda()
+    freeze(model, m.freeze)  # model.freeze / model.lora as training applies them: before DDP
+    if m.lora.rank:
+        apply_lora(model, m.lora)
     ddp = DistributedDataParallel(config=model.config, module=model,
                                   ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
     # as training resolves it: the graphs below add into main_grad (stage 2 installs them so)
@@ -134,7 +139,7 @@ def main(argv=None) -> int:
     def accumulate():
         ddp.zero_grad_buffer()
         losses = [micro_batch(b) for b in batches]
-        return losses, torch.cat([p.main_grad.flatten() for p in model.parameters()])
+        return losses, torch.cat([p.main_grad.flatten() for p in model.parameters() if p.requires_grad])
 
     def timed(n=5):
         torch.cuda.synchronize()

@@ -47,14 +47,15 @@ def forward(model, batch) -> torch.Tensor:
 
 
 def accumulate(ddp, model, batches):
-    """Losses of each micro-batch, then main_grad after all of them (gradient accumulation)."""
+    """Losses of each micro-batch, then main_grad of the trained weights after all of them
+    (gradient accumulation; frozen weights have none)."""
     ddp.zero_grad_buffer()
     losses = []
     for batch in batches:
         loss = forward(model, batch)
         (loss * batch["loss_mask"]).sum().backward()
         losses.append(loss.detach())
-    return losses, {n: p.main_grad.clone() for n, p in model.named_parameters()}
+    return losses, {n: p.main_grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 def optimizer_steps(cfg, model, ddp, optimizer, scheduler, steps: int) -> list[torch.Tensor]:

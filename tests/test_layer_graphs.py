@@ -242,6 +242,41 @@ def test_graphed_vision_encoder_equals_eager(mcore, with_decoder, to_main_grad, 
         assert outside and added == (set(names) - outside if to_main_grad else set())
 
 
+@pytest.mark.parametrize("tuning", ["freeze=[vision,merger]", "freeze=[language,embedding,lm_head]", "lora.rank=4"])
+def test_fine_tuning_controls_replay_the_eager_gradients(mcore, tuning):
+    """model.freeze and model.lora under the decoder and vision graphs: the trained weights get the
+    eager gradients, the frozen ones none; a frozen vision tower runs a forward-only graph."""
+    from multimodal.freeze import freeze
+    from multimodal.lora import apply_lora
+
+    cfg, model = proxy_model([f"model.{tuning}"])
+    if cfg.model.lora.rank:
+        apply_lora(model, cfg.model.lora, seed=0)
+        for name, p in model.named_parameters():  # B starts at zero, which gives A no gradient
+            if name.endswith("lora_B"):
+                torch.nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(1))
+    freeze(model, cfg.model.freeze)
+    ddp, batches = wrap_ddp(model), packed_rows(cfg, [(0, 1), (2,), (3, 4, 5)])
+    wgrad_fusion.enable(ddp)  # the trained decoder linears (none when the language model is frozen)
+    eager_losses, eager_grads = accumulate(ddp, model, batches)
+    decoder = layer_graphs.install(model.language_model, max_samples=4, graph_factory=layer_graphs.EagerStandIn,
+                                   grads_to_main_grad=True)
+    vision = model.vision_model.install_cuda_graphs(32, 8, 8, graph_factory=layer_graphs.EagerStandIn,
+                                                    grads_to_main_grad=True)
+    for _ in range(2):
+        losses, grads = accumulate(ddp, model, batches)
+        for a, b in zip(losses, eager_losses):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        assert grads.keys() == eager_grads.keys()
+        _assert_rounding_close(grads, eager_grads)
+    assert decoder.failed is None and vision.failed is None
+    assert decoder.graphed_batches == vision.graphed_batches == 6
+    assert not decoder.eager_batches and not vision.eager_batches
+    frozen_vision = not any(p.requires_grad for p in model.vision_model.parameters())  # LoRA: frozen too
+    assert frozen_vision == (tuning != "freeze=[language,embedding,lm_head]")
+    assert all((b.graph.bwd is None) == frozen_vision for b in vision.buckets.values())
+
+
 def test_vision_buckets_captured_up_front_serve_every_later_batch(mcore):
     """train.cuda_graph_vision_warmup_patches: the first micro-batch captures every bucket up to
     the limit on synthetic rows; the real batches then only replay, with the eager results."""

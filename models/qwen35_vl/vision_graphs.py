@@ -158,7 +158,13 @@ class VisionGraphs:
             return self.eager(x, angles, geo)
         bucket.load(angles, geo, x.shape[0])
         self.graphed_batches += 1
-        out = Replay.apply(bucket.graph, F.pad(x, (0, 0, 0, rows - x.shape[0])), *self.params)
+        padded = F.pad(x, (0, 0, 0, rows - x.shape[0]))
+        if bucket.graph.bwd is None:  # a frozen encoder: forward only
+            bucket.graph.static_in.copy_(padded)
+            bucket.graph.fwd.replay()
+            out = bucket.graph.static_out.detach()
+        else:
+            out = Replay.apply(bucket.graph, padded, *self.params)
         return out[: x.shape[0] // self.encoder.merge**2]
 
     def _capture_up_front(self, like: torch.Tensor, angles) -> None:
@@ -226,6 +232,11 @@ class VisionGraphs:
                           else torch.zeros_like(p) for p in self.params]
             self.pool = torch.cuda.graph_pool_handle() if x.is_cuda else None
         graph = LayerGraph(self.params, fused=set(), to_main_grad=self.grads_to_main_grad)
+        if not self.params and not x.requires_grad:
+            # model.freeze=[vision, merger]: nothing here trains, so the graph is forward only and
+            # saves no activations for a backward (eager autograd records nothing here either)
+            self._capture_forward_only(graph, fn, bucket, x)
+            return
         graph.static_in = torch.zeros((bucket.rows, x.shape[1]), dtype=x.dtype, device=x.device,
                                       requires_grad=True)
         with torch.no_grad():
@@ -242,6 +253,17 @@ class VisionGraphs:
         graph.static_grad_out = torch.zeros_like(graph.static_out)
         graph.bwd = self._new_graph()
         graph.static_grads = record(graph.bwd, functools.partial(self._backward_into_shared, graph), self.pool)
+        bucket.graph = graph
+
+    def _capture_forward_only(self, graph: LayerGraph, fn, bucket: _Bucket, x: torch.Tensor) -> None:
+        graph.static_in = torch.zeros((bucket.rows, x.shape[1]), dtype=x.dtype, device=x.device)
+        with torch.no_grad():
+            graph.static_in[: x.shape[0]].copy_(x)
+            for _ in range(WARMUP_ITERS):
+                fn(graph.static_in)
+            graph.static_in.zero_()
+            graph.fwd = self._new_graph()
+            graph.static_out = record(graph.fwd, functools.partial(fn, graph.static_in), self.pool)
         bucket.graph = graph
 
     def _backward_into_shared(self, graph: LayerGraph) -> tuple:
