@@ -242,10 +242,12 @@ def test_graphed_vision_encoder_equals_eager(mcore, with_decoder, to_main_grad, 
         assert outside and added == (set(names) - outside if to_main_grad else set())
 
 
-@pytest.mark.parametrize("tuning", ["freeze=[vision,merger]", "freeze=[language,embedding,lm_head]", "lora.rank=4"])
+@pytest.mark.parametrize("tuning", ["freeze=[vision,merger]", "freeze=[vision]", "freeze=[language,embedding,lm_head]",
+                                    "lora.rank=4"])
 def test_fine_tuning_controls_replay_the_eager_gradients(mcore, tuning):
     """model.freeze and model.lora under the decoder and vision graphs: the trained weights get the
-    eager gradients, the frozen ones none; a frozen vision tower runs a forward-only graph."""
+    eager gradients, the frozen ones none. A frozen vision encoder runs a forward-only graph; with
+    the merger trained, the captured backward stops at the frozen blocks' output."""
     from multimodal.freeze import freeze
     from multimodal.lora import apply_lora
 
@@ -273,8 +275,10 @@ def test_fine_tuning_controls_replay_the_eager_gradients(mcore, tuning):
     assert decoder.graphed_batches == vision.graphed_batches == 6
     assert not decoder.eager_batches and not vision.eager_batches
     frozen_vision = not any(p.requires_grad for p in model.vision_model.parameters())  # LoRA: frozen too
-    assert frozen_vision == (tuning != "freeze=[language,embedding,lm_head]")
-    assert all((b.graph.bwd is None) == frozen_vision for b in vision.buckets.values())
+    assert frozen_vision == (tuning not in ("freeze=[language,embedding,lm_head]", "freeze=[vision]"))
+    for bucket in vision.buckets.values():
+        assert (bucket.graph.bwd is None) == frozen_vision
+        assert bucket.graph.static_in.requires_grad == (tuning == "freeze=[language,embedding,lm_head]")
 
 
 def test_vision_buckets_captured_up_front_serve_every_later_batch(mcore):

@@ -415,7 +415,10 @@ def graph_backward(graph: LayerGraph):
     then drops. Parameters without a gradient here (unused, or used only outside) are left alone."""
     # the test stand-in (EagerStandIn) re-runs the forward at each replay: use its latest output
     out = getattr(graph.fwd, "latest", graph.static_out)
-    grads = torch.autograd.grad(out, (graph.static_in, *graph.params), graph.static_grad_out, allow_unused=True)
+    grads = torch.autograd.grad(out, graph_inputs(graph.static_in, graph.params), graph.static_grad_out,
+                                allow_unused=True)
+    if not graph.static_in.requires_grad:
+        grads = (None, *grads)
     kept = [grads[0]]
     mains, to_add = [], []
     for j, (p, g) in enumerate(zip(graph.params, grads[1:])):
@@ -433,6 +436,12 @@ def graph_backward(graph: LayerGraph):
         kept.append(g)
     add_into_main_grads(mains, to_add)  # the small ones in two kernels, not one each
     return tuple(kept)
+
+
+def graph_inputs(static_in: torch.Tensor, params) -> tuple:
+    """What a captured backward differentiates: the parameters, and the input when it needs a
+    gradient (a frozen vision tower's output does not: the backward then stops at the merger)."""
+    return (static_in, *params) if static_in.requires_grad else tuple(params)
 
 
 def record(graph, fn, pool):

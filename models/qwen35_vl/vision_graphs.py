@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from models.common.layer_graphs import (WARMUP_ITERS, LayerGraph, Replay, count_eager, failure_summary,
-                                       graph_backward, record)
+                                       graph_backward, graph_inputs, record)
 from models.qwen35_vl.vision_geometry import VisionGeometry
 
 log = logging.getLogger(__name__)
@@ -178,6 +178,7 @@ class VisionGraphs:
             if rows in self.buckets or len(self.buckets) >= self.max_buckets:
                 continue
             x = torch.randn(rows, like.shape[1], generator=gen, device=like.device, dtype=like.dtype)
+            x.requires_grad_(like.requires_grad)  # the graphs differentiate their input as the real one needs
             cu = torch.tensor([0, rows], dtype=torch.int32, device=like.device)
             geo = VisionGeometry(cu_seqlens=cu, max_seqlen=rows, rot_pos=None, interp_index=None, interp_weight=None)
             if isinstance(angles, tuple):
@@ -237,13 +238,15 @@ class VisionGraphs:
             # saves no activations for a backward (eager autograd records nothing here either)
             self._capture_forward_only(graph, fn, bucket, x)
             return
+        # the input needs no gradient when what makes it is frozen (model.freeze=[vision]: only the
+        # merger trains, and the backward stops there, as eager autograd's would)
         graph.static_in = torch.zeros((bucket.rows, x.shape[1]), dtype=x.dtype, device=x.device,
-                                      requires_grad=True)
+                                      requires_grad=x.requires_grad)
         with torch.no_grad():
             graph.static_in[: x.shape[0]].copy_(x)  # warm up on real rows (Triton autotuning sees real data)
         for _ in range(WARMUP_ITERS):
             out = fn(graph.static_in)
-            torch.autograd.grad(out, (graph.static_in, *self.params), torch.ones_like(out) * 1e-3,
+            torch.autograd.grad(out, graph_inputs(graph.static_in, self.params), torch.ones_like(out) * 1e-3,
                                 allow_unused=True)
         del out
         with torch.no_grad():
