@@ -73,3 +73,23 @@ def test_failed_compile_falls_back_to_eager_once_with_a_warning(monkeypatch, cap
             out = norms._impl(norms.rms_norm_ref, x)(x, w, 1e-6, True)
     assert torch.equal(out, norms.rms_norm_ref(x, w, 1e-6, True))
     assert sum("torch.compile of rms_norm_ref failed" in r.message for r in caplog.records) == 1
+
+
+@pytest.mark.slow
+def test_variants_past_the_recompile_limit_run_eagerly_with_one_warning(compiled, monkeypatch, caplog):
+    """A validation pass adds no-grad variants beside the training ones; past dynamo's limit the
+    compiled norm (fullgraph) would raise: those calls run the eager norm instead."""
+    monkeypatch.setattr(norms, "RECOMPILE_LIMIT", 1)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(6, 2, 16, generator=gen), 0.1 * torch.randn(16, generator=gen)
+    norm = norms._impl(norms.rms_norm_ref, x)
+    with caplog.at_level("WARNING", logger="models.common.norms"):
+        first = norm(x, w, 1e-6, True)  # compiled: variant 1
+        for _ in range(2):
+            strided = x.transpose(0, 1).contiguous().transpose(0, 1)  # another layout: past the limit
+            out = norm(strided, w, 1e-6, True)
+    torch.testing.assert_close(first, norms.rms_norm_ref(x, w, 1e-6, True))
+    assert torch.equal(out, norms.rms_norm_ref(strided, w, 1e-6, True))
+    assert norm.compiled is not norm.fn and norm.eager_variants == 2
+    assert sum(r.name == "models.common.norms" and "recompile_limit" in r.message for r in caplog.records) == 1

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 # None: compile on CUDA tensors only; True/False: force (set by the model builder from model.compile_norms)
 COMPILE: bool | None = None
 _compiled: dict = {}
+RECOMPILE_LIMIT = 64
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
@@ -58,6 +59,9 @@ def _impl(fn, x: torch.Tensor):
         return fn
     compiled = _compiled.get(fn)
     if compiled is None:
+        # one compiled function serves every norm site x grad mode x input layout (strides);
+        # dynamo's default of 8 variants per function is too few for that
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         compiled = _compiled[fn] = _FirstCallFallback(fn)
         log.info("norms: %s runs through torch.compile (model.compile_norms)", fn.__name__)
     return compiled
@@ -79,10 +83,22 @@ class _FirstCallFallback:
         # dynamic: the token count changes every batch; one graph serves all of them
         self.compiled = torch.compile(fn, dynamic=True, fullgraph=True)
         self.checked = False
+        self.eager_variants = 0  # calls past dynamo's recompile limit, run eagerly
 
     def __call__(self, *args):
         if self.checked:
-            return self.compiled(*args)
+            try:
+                return self.compiled(*args)
+            except torch._dynamo.exc.FailOnRecompileLimitHit:
+                # one function serves every norm of the model (decoder, q/k, GDN, vision) in each
+                # grad mode and input layout: a validation pass (no grad, eager layers beside the
+                # graphed ones) can add variants past the limit. Those calls run eagerly.
+                if not self.eager_variants:
+                    log.warning("norms: torch.compile of %s reached torch._dynamo.config.recompile_limit=%d; "
+                                "further input variants run the eager norm", self.fn.__name__,
+                                torch._dynamo.config.recompile_limit)
+                self.eager_variants += 1
+                return self.fn(*args)
         try:
             out = self.compiled(*args)
         except _COMPILE_FAILURES as e:

@@ -172,8 +172,12 @@ class VisionGraphs:
         (one attention segment, positions 0), so later steps never stop to capture
         (``train.cuda_graph_vision_warmup_patches``)."""
         limit, self.warmup_patches = self.warmup_patches, 0
-        sizes = bucket_sizes(limit, self.bucket)
+        # largest first: the buckets share one memory pool, and each capture frees its activations
+        # at the end of its backward, so smaller buckets reuse the blocks of larger ones; in
+        # ascending order every bucket would need blocks larger than any freed so far
+        sizes = sorted(bucket_sizes(limit, self.bucket), reverse=True)
         start, gen = time.perf_counter(), torch.Generator(device=like.device).manual_seed(0)
+        reserved = torch.cuda.memory_reserved(like.device) if like.is_cuda else 0
         for rows in sizes:
             if rows in self.buckets or len(self.buckets) >= self.max_buckets:
                 continue
@@ -189,8 +193,9 @@ class VisionGraphs:
             _bucket, reason = self._try_capture(x, fake, geo, rows)
             if reason is not None:
                 return
-        log.info("CUDA graphs: %d vision buckets up to %d patches captured before training in %.1f s",
-                 len(self.buckets), limit, time.perf_counter() - start)
+        grown = (torch.cuda.memory_reserved(like.device) - reserved) / 2**30 if like.is_cuda else 0.0
+        log.info("CUDA graphs: %d vision buckets up to %d patches captured before training in %.1f s "
+                 "(GPU memory reserved grew by %.1f GiB)", len(self.buckets), limit, time.perf_counter() - start, grown)
 
     def _refusal(self, geo, rows) -> str | None:
         if self.failed is not None:
