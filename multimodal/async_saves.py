@@ -14,6 +14,8 @@ names a checkpoint still being written, and a kill -9 at any moment leaves the p
   flight (``wait``); a SIGTERM then ends the run with exit code 143.
 - A full disk in the writer process is reported as on the synchronous path (partial files
   removed, earlier checkpoints intact).
+- The host copies go into page-locked buffers kept from one save to the next (``PinnedStaging``):
+  megatron's writer would page-lock fresh host memory for every tensor of every save.
 """
 
 from __future__ import annotations
@@ -28,10 +30,56 @@ from multimodal import checkpointing
 log = logging.getLogger(__name__)
 
 
+class PinnedStaging:
+    """Host copies of a checkpoint's tensors in buffers reused from one save to the next.
+
+    megatron's async writer stages each GPU tensor with ``tensor.to("cpu", non_blocking=True)``,
+    which page-locks fresh host memory for every tensor at every save: on an H200 the 2B recipe
+    (29 GB of model and optimizer state) stopped training for 27.5 s at its save. Here each
+    tensor is copied into a page-locked buffer of its own, allocated at the first save and
+    reused while the checkpoint's layout stays the same. Reuse is safe because at most one save
+    is in flight: a new save stages only after the previous writer process is done."""
+
+    def __init__(self, copy_host_tensors: bool = False):
+        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.copy_host_tensors = copy_host_tensors  # tests: stage CPU tensors too (no GPU here)
+
+    def __call__(self, write_buckets: list, non_blocking: bool = True) -> list:
+        pin = torch.cuda.is_available()
+        used, staged = {}, []
+        for file_name, storage_key, (bytes_data, tensor_data) in write_buckets:
+            tensors = []
+            for item, tensor in tensor_data:
+                if tensor.device.type == "cpu" and not self.copy_host_tensors:
+                    tensors.append((item, tensor))
+                    continue
+                key = (storage_key, len(tensors), tuple(tensor.shape), tensor.dtype)
+                buf = self.buffers.get(key)
+                if buf is None:
+                    buf = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+                buf.copy_(tensor, non_blocking=pin)
+                used[key] = buf
+                tensors.append((item, buf))
+            staged.append((file_name, storage_key, (bytes_data, tensors)))
+        self.buffers = used  # buffers of a layout no longer saved are let go
+        if pin:
+            torch.cuda.synchronize()  # the writer process is forked next: the copies must be complete
+        return staged
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+
 class AsyncSaves:
     def __init__(self):
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+        from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
+        self.staging = PinnedStaging()
+        # megatron stages through this static method of its writer (get_save_function_and_args)
+        self._megatron_preload = FileSystemWriterAsync.__dict__["preload_tensors"]
+        FileSystemWriterAsync.preload_tensors = staticmethod(self.staging)
         self.queue = AsyncCallsQueue()
         self.in_flight = None  # (root, tmp, bytes needed) of the save being written
         self.terminated = False
@@ -84,9 +132,13 @@ class AsyncSaves:
             self._previous_handler = None
 
     def close(self) -> None:
+        from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
         try:
             self.wait()
         finally:
+            FileSystemWriterAsync.preload_tensors = self._megatron_preload
+            self.staging.buffers = {}
             self.queue.close()
             if self._previous_handler is not None:
                 signal.signal(signal.SIGTERM, self._previous_handler)

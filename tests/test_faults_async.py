@@ -79,3 +79,30 @@ def test_sigterm_waits_for_the_save_in_flight(tmp_path):
     assert run.rc == 143, run.stderr[-3000:]
     assert "SIGTERM: the checkpoint being written is complete; stopping before step 6" in run.stderr
     assert (ck / "latest").read_text() == "iter_0000004" and manifest_problem(ck / "iter_0000004") is None
+
+
+def test_staging_buffers_are_reused_from_one_save_to_the_next():
+    """PinnedStaging (page-locked on a GPU; here it copies CPU tensors, copy_host_tensors): each
+    tensor lands in a buffer of its own, equal to it and not aliasing it; the next save with the
+    same layout reuses those buffers; a changed layout lets the old ones go."""
+    import torch
+
+    from multimodal.async_saves import PinnedStaging
+
+    staging = PinnedStaging(copy_host_tensors=True)
+
+    def buckets(*tensors):
+        return [("/ckpt/__0_0.distcp", "__0_0.distcp", ([("meta", b"x")], [(f"item{i}", t) for i, t in
+                                                                           enumerate(tensors)]))]
+
+    a, b = torch.randn(4, 3), torch.arange(5, dtype=torch.int64)
+    first = staging(buckets(a, b))
+    staged = [t for _, t in first[0][2][1]]
+    assert first[0][2][0] == [("meta", b"x")] and [i for i, _ in first[0][2][1]] == ["item0", "item1"]
+    assert torch.equal(staged[0], a) and torch.equal(staged[1], b)
+    assert staged[0].data_ptr() != a.data_ptr() and staging.nbytes == a.numel() * 4 + b.numel() * 8
+    a.add_(1)  # the next step changes the weights; the next save copies them into the same buffers
+    second = [t for _, t in staging(buckets(a, b))[0][2][1]]
+    assert [t.data_ptr() for t in second] == [t.data_ptr() for t in staged] and torch.equal(second[0], a)
+    staging(buckets(torch.zeros(2, 2)))  # another layout: new buffer, the old ones released
+    assert staging.nbytes == 16 and len(staging.buffers) == 1
