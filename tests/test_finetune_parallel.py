@@ -1,4 +1,4 @@
-"""model.lora and model.freeze under tensor and pipeline parallelism (CPU, gloo, 2 processes)
+"""model.lora and model.freeze under tensor, pipeline, context and expert parallelism (CPU, gloo, 2 processes)
 against one process, the way tests/test_parallel.py compares the full-training layouts: same
 initial weights (a weights-only checkpoint of a one-process init), same data, the same logged
 losses and gradient norms within fp32 tolerance. The LoRA runs start from that base-only
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from test_hf import _run as _run_script
-from test_parallel import DENSE, PACKED, STEPS, _compare, _run, _save_init_weights
+from test_parallel import DENSE, MOE, ONE_PER_ROW, PACKED, STEPS, _compare, _run, _save_init_weights
 
 LORA = ["model.lora.rank=4", "model.lora.alpha=8"]
 FREEZE_GROUPS = ["vision", "embedding", "lm_head"]  # frozen weights on both stages (the tied head on the last)
@@ -110,6 +110,30 @@ def test_freeze_pp2_matches_one_process_and_frozen_weights_stay_bit_identical(tm
     for n in frozen:
         assert torch.equal(before[n], after[n]), n
     assert sum(not torch.equal(before[n], after[n]) for n in trained) > 0.9 * len(trained)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tuning,layout", [
+    (FREEZE, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    # every row split over two ranks (rows padded to a multiple of 2 x cp in both runs)
+    (LORA, ["parallel.cp=2"]),
+], ids=["freeze_tp2_sp", "lora_cp2"])
+def test_tp2_and_cp2_match_one_process(tmp_path, base_init, tuning, layout):
+    common = [*PACKED, *tuning, f"checkpoint.load={base_init}", "data.pad_multiple=4"]
+    ref = _run(tmp_path / "ref", DENSE, *common)
+    got = _run(tmp_path / "two", DENSE, *common, *layout, nproc=2)
+    _compare(ref, got, "+".join([*tuning, *layout]))
+
+
+@pytest.mark.slow
+def test_lora_ep2_matches_one_process(tmp_path, mcore):
+    """An MoE model under EP=2 with LoRA: adapters on the attention / GDN projections and the
+    shared expert, the routed experts frozen (no weight gradient) behind the all-to-all dispatch."""
+    init = _save_init_weights(tmp_path / "init", MOE, [])
+    common = [*ONE_PER_ROW, *LORA, f"checkpoint.load={init}"]
+    ref = _run(tmp_path / "ref", MOE, *common)
+    got = _run(tmp_path / "ep2", MOE, *common, "parallel.ep=2", nproc=2)
+    _compare(ref, got, "lora ep2")
 
 
 # ------------------------------------------------------------------ TP split arithmetic (fast)
