@@ -34,7 +34,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # q heads, kv heads, head dim, causal (per TP rank 1; the vision rows are half the decoder's length)
 SHAPES = {"decoder_2b": (8, 2, 256, True), "decoder_9b": (16, 4, 256, True), "vision": (16, 16, 64, False)}

@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from multimodal.async_saves import PinnedStaging  # noqa: E402
 

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import fused_mrope as fm  # noqa: E402
 from kernels import fused_pre_gdr as fp  # noqa: E402

@@ -21,7 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data.loader import MicroBatchIterator, build_dataset  # noqa: E402
 from multimodal.config import load_config, resolve_sources  # noqa: E402

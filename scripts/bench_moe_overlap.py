@@ -35,13 +35,9 @@ import json
 import logging
 import math
 import os
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 

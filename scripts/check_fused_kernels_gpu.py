@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # parity compiles many shapes; autotuning each would take minutes and changes no result
 os.environ.setdefault("FUSED_KERNELS_AUTOTUNE", "0")
 

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.gated_delta_rule import GDNVarlen, chunk_gated_delta_rule, fla_unusable_reason  # noqa: E402
 

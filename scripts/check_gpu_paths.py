@@ -14,11 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data.collate import pack_thd  # noqa: E402
 from data.loader import build_dataset  # noqa: E402

@@ -26,8 +26,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 
 def check_padded_gdn() -> dict:
     from kernels.gated_delta_rule import FLA_CHUNK_SIZE, GDNVarlen, chunk_gated_delta_rule

@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 DELAY_CYCLES = 40_000_000  # ~20 ms at the H200's ~2 GHz
 

@@ -33,7 +33,6 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from models.qwen35_vl.hf import (  # noqa: E402
     hf_config_from_ours,

@@ -13,7 +13,6 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data.synthetic_cord import write_synthetic_cord  # noqa: E402
 from data.tiny_tokenizer import build_tiny_tokenizer  # noqa: E402

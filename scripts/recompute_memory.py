@@ -17,12 +17,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def measure(config: str, overrides: list[str], dtype: torch.dtype) -> dict:
