@@ -1,6 +1,7 @@
-"""Your own conversations (``data.name=conversations``): JSON / JSONL records -> samples.
+"""Your own conversations (``data.name=conversations``): records -> samples.
 
-Two record forms, one per line of a ``.jsonl`` file or as the items of a ``.json`` list:
+Records come from a ``.jsonl`` / ``.json`` file or a Hugging Face ``datasets`` folder (arrow or
+parquet files), one record at a time (``data/record_sources.py``), in two forms:
 
 - chat messages (what ``apply_chat_template`` takes)::
 
@@ -15,36 +16,32 @@ Two record forms, one per line of a ``.jsonl`` file or as the items of a ``.json
 
   each ``<image>`` in a value is the next image of the record, in order.
 
-``IMAGE`` is a path (relative to ``data.image_root``, default the data file's folder; ``file://``
-allowed) or embedded bytes as a ``data:image/...;base64,...`` URL. ``data.system_prompt`` is put
-first in records that have no system message. Every sample is rendered as Qwen3.5's chat template
-renders it (``data/chat.py``) and every assistant turn is supervised.
+``IMAGE`` is a path (relative to ``data.image_root``, default the data file's folder or the
+datasets folder; ``file://`` allowed), embedded bytes as a ``data:image/...;base64,...`` URL, raw
+bytes, or a ``datasets`` ``Image`` value (``{"bytes": ..., "path": ...}``). ``data.system_prompt``
+is put first in records that have no system message. Every sample is rendered as Qwen3.5's chat
+template renders it (``data/chat.py``) and every assistant turn is supervised.
 
 A bad record is skipped, counted in ``self.skipped`` by reason and logged with its index, as in
 ``data/cord_v2.py``: ``bad_json``, ``bad_record`` (not one of the forms), ``unknown_role``,
 ``missing_image``, ``bad_image``, ``image_count_mismatch`` (``<image>`` tags vs images),
 ``empty_answer``, ``too_long`` (more than ``train.seq_length`` tokens; never cut, since a cut
 conversation would teach a half answer).
-
-A ``.jsonl`` file is never held in memory: start-up records each line's byte offset (8 bytes a
-record) and a sample reads its one line. A ``.json`` list is parsed whole (fine for thousands of
-records; use JSONL for more).
 """
 
 from __future__ import annotations
 
 import base64
 import collections
-import json
 import logging
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from data.chat import encode_conversation, special_token_ids
 from data.cord_v2 import SkipSample
 from data.image import image_patches, open_image, smart_resize
+from data.record_sources import RecordSourceError, open_records
 from models.qwen35_vl.mrope import mrope_position_ids
 
 log = logging.getLogger(__name__)
@@ -53,23 +50,10 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 IMAGE_TAG = "<image>"
 
 
-def line_offsets(path: Path) -> np.ndarray:
-    """Byte offset of every non-blank line of a JSONL file (one buffered pass, 8 bytes a line)."""
-    from array import array
-
-    offsets, pos = array("q"), 0
-    with open(path, "rb") as f:
-        for line in f:
-            if line.strip():
-                offsets.append(pos)
-            pos += len(line)
-    return np.frombuffer(offsets, dtype=np.int64) if offsets else np.zeros(0, dtype=np.int64)
-
-
 def sharegpt_to_messages(record: dict) -> tuple[list[dict], list]:
     """A LLaVA/ShareGPT record -> (chat messages with image parts, its images in order)."""
-    images = record.get("image", record.get("images", []))
-    images = [images] if isinstance(images, str) else list(images or [])
+    images = record.get("image") if record.get("image") is not None else record.get("images")
+    images = [images] if isinstance(images, (str, bytes, dict)) else list(images or [])
     turns = record["conversations"]
     if not isinstance(turns, list):
         raise SkipSample("bad_record", "conversations is not a list")
@@ -96,15 +80,23 @@ def sharegpt_to_messages(record: dict) -> tuple[list[dict], list]:
     return messages, images
 
 
+def _without_nulls(d: dict) -> dict:
+    """``d`` without its None values: a datasets table gives every struct the union of all
+    records' keys (a text part gets ``"image": None``)."""
+    return {k: v for k, v in d.items() if v is not None}
+
+
 class ConversationsDataset(torch.utils.data.Dataset):
     """JSON/JSONL conversation records -> ``MockDataset``-format samples (or ``None`` when skipped)."""
 
     def __init__(self, model_cfg, data_cfg, seq_length: int, tokenizer):
         path = Path(data_cfg.path or "")
-        if path.suffix not in (".json", ".jsonl") or not path.is_file():
-            raise ValueError(f"data.path={data_cfg.path!r} must be an existing .json or .jsonl file of conversations")
-        self.path, self.jsonl = path, path.suffix == ".jsonl"
-        self.image_root = Path(data_cfg.image_root) if data_cfg.image_root else path.parent
+        try:
+            self.records = open_records(path)
+        except RecordSourceError as e:
+            raise ValueError(f"data.path={data_cfg.path!r}: {e}") from None
+        self.path = path
+        self.image_root = Path(data_cfg.image_root) if data_cfg.image_root else path if path.is_dir() else path.parent
         self.system_prompt = data_cfg.system_prompt
         v = model_cfg.vision
         self.patch, self.tp, self.merge = v.patch_size, v.temporal_patch_size, v.spatial_merge_size
@@ -116,17 +108,10 @@ class ConversationsDataset(torch.utils.data.Dataset):
             if getattr(model_cfg, key) != self.ids[key]:
                 raise ValueError(f"model.{key}={getattr(model_cfg, key)} but the tokenizer's id is {self.ids[key]}; "
                                  f"set model.{key}={self.ids[key]}")
-        if self.jsonl:
-            self.offsets, self.records = line_offsets(path), None
-        else:
-            records = json.loads(path.read_text())
-            if not isinstance(records, list):
-                raise ValueError(f"{path} must hold a JSON list of records (or use a .jsonl file, one record a line)")
-            self.offsets, self.records = None, records
         self.skipped: collections.Counter = collections.Counter()
 
     def __len__(self) -> int:
-        return len(self.offsets) if self.jsonl else len(self.records)
+        return len(self.records)
 
     def __getitem__(self, index: int) -> dict | None:
         index = int(index)
@@ -140,16 +125,7 @@ class ConversationsDataset(torch.utils.data.Dataset):
     # ------------------------------------------------------------------ pieces
 
     def _record(self, index: int) -> dict:
-        if not self.jsonl:
-            record = self.records[index]
-        else:
-            with open(self.path, "rb") as f:
-                f.seek(int(self.offsets[index]))
-                line = f.readline()
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SkipSample("bad_json", f"line is not valid JSON ({e})") from None
+        record = self.records[index]
         if not isinstance(record, dict):
             raise SkipSample("bad_record", f"a record must be a JSON object, got {type(record).__name__}")
         return record
@@ -164,7 +140,7 @@ class ConversationsDataset(torch.utils.data.Dataset):
                 if not isinstance(msg, dict) or msg.get("role") not in ("system", "user", "assistant"):
                     role = msg.get("role") if isinstance(msg, dict) else msg
                     raise SkipSample("unknown_role", f"message {i} has role {role!r}")
-                messages.append(msg)
+                messages.append(_without_nulls(msg))
         elif "conversations" in record:
             messages, _ = sharegpt_to_messages(record)
         else:
@@ -175,9 +151,11 @@ class ConversationsDataset(torch.utils.data.Dataset):
             if isinstance(content, list):
                 parts = []
                 for part in content:
+                    part = _without_nulls(part) if isinstance(part, dict) else part
                     if isinstance(part, dict) and (part.get("type") == "image" or "image" in part or "image_url" in part):
                         src = part.get("image", part.get("image_url"))
-                        images.append(src.get("url") if isinstance(src, dict) else src)
+                        # {"url": ...}: the OpenAI image_url form; {"bytes", "path"}: a datasets Image
+                        images.append(src["url"] if isinstance(src, dict) and "url" in src else src)
                         part = {"type": "image"}
                     parts.append(part)
                 msg = {**msg, "content": parts}
@@ -187,9 +165,13 @@ class ConversationsDataset(torch.utils.data.Dataset):
         return out, images
 
     def _load_image(self, src) -> tuple[torch.Tensor, torch.Tensor]:
-        if not isinstance(src, str) or not src:
-            raise SkipSample("missing_image", f"image reference {src!r} is neither a path nor a data URL")
-        if src.startswith("data:"):
+        if isinstance(src, dict):  # a datasets Image feature: its bytes, else its path
+            src = src.get("bytes") or src.get("path")
+        if isinstance(src, (bytes, bytearray)) and src:
+            source = bytes(src)
+        elif not isinstance(src, str) or not src:
+            raise SkipSample("missing_image", f"image reference {src!r} is neither a path, bytes nor a data URL")
+        elif src.startswith("data:"):
             try:
                 data = base64.b64decode(src.split(",", 1)[1], validate=True)
             except (IndexError, ValueError) as e:

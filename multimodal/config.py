@@ -51,7 +51,7 @@ class DataConfig:
     image_mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
     image_std: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
     max_bad_fraction: float = 0.1  # stop when more of the rows read than this are unusable
-    # conversations: image paths are relative to this folder (None: the data file's folder);
+    # conversations: image paths are relative to this folder (None: the data file's or datasets folder);
     # system_prompt is put first in records without a system message
     image_root: str | None = None
     system_prompt: str | None = None
@@ -69,7 +69,7 @@ class DataConfig:
     # under sequence parallelism); set it to compare runs of different layouts on identical rows
     pad_multiple: int | None = None
     # validation data (read when train.eval_interval > 0; multimodal/evaluation.py), the same kind
-    # of data set as `name`: conversations: valid_path is a held-out .json/.jsonl file (required);
+    # of data set as `name`: conversations: valid_path is a held-out .json/.jsonl file or datasets folder (required);
     # cord_v2: the valid_split split of valid_path (null: data.path); mock: the generator with seed
     # data.seed + 1 (valid_path must stay null)
     valid_path: str | None = None
@@ -314,6 +314,11 @@ def _require(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def _conversations_path(path: str | None) -> bool:
+    """A .json / .jsonl file or a folder (datasets' arrow / parquet, or JSON files): data/record_sources.py."""
+    return bool(path) and (Path(path).is_dir() or (Path(path).suffix in (".json", ".jsonl") and Path(path).is_file()))
+
+
 def validate(cfg: Config, world_size: int = 1) -> None:
     """Cross-field checks that need no model; raises ConfigError naming the field and fix."""
     m, t, p, d, o = cfg.model, cfg.train, cfg.parallel, cfg.data, cfg.optimizer
@@ -375,8 +380,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _require(d.name in ("mock", "cord_v2", "conversations"),
              f"data.name {d.name!r} is not available; choose: mock, cord_v2, conversations")
     if d.name == "conversations":
-        _require(bool(d.path) and Path(d.path).suffix in (".json", ".jsonl") and Path(d.path).is_file(),
-                 f"data.name=conversations needs data.path: an existing .json or .jsonl file, got {d.path!r}")
+        _require(_conversations_path(d.path),
+                 f"data.name=conversations needs data.path: an existing .json or .jsonl file or datasets folder, "
+                 f"got {d.path!r}")
         _require(bool(d.tokenizer), "data.name=conversations needs data.tokenizer (a tokenizer directory)")
         _require(d.image_root is None or Path(d.image_root).is_dir(),
                  f"data.image_root={d.image_root!r} is not a folder (null: the data file's folder)")
@@ -471,9 +477,10 @@ def validate_eval(t: TrainConfig, d: DataConfig) -> None:
         return
     if d.name == "conversations":
         vp = d.valid_path
-        _require(bool(vp) and Path(vp).suffix in (".json", ".jsonl") and Path(vp).is_file(),
+        _require(_conversations_path(vp),
                  f"train.eval_interval={t.eval_interval} with data.name=conversations needs data.valid_path: an "
-                 f"existing .json or .jsonl file of held-out conversations, got {vp!r} (or set train.eval_interval=0)")
+                 f"existing .json or .jsonl file or datasets folder of held-out conversations, got {vp!r} (or set "
+                 "train.eval_interval=0)")
     if d.name == "cord_v2":
         _require(bool(d.valid_split), "data.valid_split must name the cord_v2 split to validate on (e.g. validation)")
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from data.chat import encode_conversation, special_token_ids
+from data.record_sources import JsonlRecords
 from data.tiny_tokenizer import build_tiny_tokenizer
 from models.qwen35_vl.config import ModelConfig
 from multimodal.config import DataConfig
@@ -90,7 +91,7 @@ def test_both_forms_from_jsonl_and_json(tmp_path, model_cfg, tok):
     as_list = tmp_path / "train.json"
     as_list.write_text(json.dumps(records))
     ds_json = _ds(as_list, model_cfg, tok)
-    assert len(ds) == len(ds_json) == len(records) and ds.records is None  # JSONL: offsets only
+    assert len(ds) == len(ds_json) == len(records) and isinstance(ds.records, JsonlRecords)  # offsets only
     ids = special_token_ids(tok)
     for i in range(len(records)):
         s, t = ds[i], ds_json[i]
@@ -103,6 +104,49 @@ def test_both_forms_from_jsonl_and_json(tmp_path, model_cfg, tok):
         answer = f"Item {i} costs {1000 * (i + 1):,}.<|im_end|>"
         assert supervised == answer + ("48,000<|im_end|>" if i % 4 == 0 else "")
     assert not ds.skipped
+
+
+def _same_samples(a, b):
+    assert len(a) == len(b)
+    for i in range(len(a)):
+        for key in ("input_ids", "loss_mask", "position_ids", "pixel_values", "image_grid_thw"):
+            assert torch.equal(a[i][key], b[i][key]), (i, key)
+
+
+def test_datasets_folders_read_as_the_jsonl(tmp_path, model_cfg, tok):
+    """Folders that Hugging Face datasets writes (save_to_disk: arrow; to_parquet) hold the same
+    samples as the JSONL of the same records: the chat form with image paths, the LLaVA form with
+    a datasets Image column (embedded bytes); a DatasetDict folder is refused naming its splits."""
+    import datasets
+
+    records = write_synthetic_conversations(tmp_path)
+    chat = [r for r in records if "messages" in r]
+    for r in chat:  # one arrow type per column: every content as a list of parts
+        for m in r["messages"]:
+            if isinstance(m["content"], str):
+                m["content"] = [{"type": "text", "text": m["content"]}]
+    share = [r for r in records if "conversations" in r]
+    chat_dir, share_dir, parquet_dir = tmp_path / "chat_ds", tmp_path / "share_ds", tmp_path / "share_parquet"
+    datasets.Dataset.from_list(chat).save_to_disk(str(chat_dir))
+    images = datasets.Sequence(datasets.Image())
+    share_ds = datasets.Dataset.from_list(
+        [{**r, "image": [{"bytes": (tmp_path / p).read_bytes(), "path": None} for p in r["image"]]} for r in share],
+        features=datasets.Features({"image": images, "conversations": datasets.List(
+            {"from": datasets.Value("string"), "value": datasets.Value("string")})}))
+    share_ds.save_to_disk(str(share_dir))
+    parquet_dir.mkdir()
+    share_ds.to_parquet(str(parquet_dir / "train-00000.parquet"))
+
+    _same_samples(_ds(chat_dir, model_cfg, tok, image_root=str(tmp_path)),
+                  _ds(_jsonl(tmp_path / "chat.jsonl", chat), model_cfg, tok))
+    share_jsonl = _ds(_jsonl(tmp_path / "share.jsonl", share), model_cfg, tok)
+    _same_samples(_ds(share_dir, model_cfg, tok), share_jsonl)
+    _same_samples(_ds(parquet_dir, model_cfg, tok), share_jsonl)
+    assert sum(int(share_jsonl[i]["image_grid_thw"].shape[0]) for i in range(len(share))) > 0
+
+    datasets.DatasetDict({"train": share_ds, "validation": share_ds}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(ValueError, match=r"DatasetDict; point at one split: .*dd/train, .*dd/validation"):
+        _ds(tmp_path / "dd", model_cfg, tok)
 
 
 def test_sharegpt_equals_chat_form_and_base64_equals_path(tmp_path, model_cfg, tok):
