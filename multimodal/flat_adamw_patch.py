@@ -16,7 +16,7 @@ the gradient norm, ``param.main_param``, the model's forward) sees the same tens
 kernel reads the gradients straight from ``grad_data``. The moments are allocated at the first
 step (or a load), as torch does, so the first step's transients do not stack on them.
 
-Wiring (``install``), once, after megatron builds its optimizer and before the first step (so
+Wiring (``use_flat_adamw``), once, after megatron builds its optimizer and before the first step (so
 before CUDA graphs capture the parameters' addresses):
 - torch's AdamW ``step`` is replaced by ``FlatAdamW.step``. It honours ``grad_scale`` (the deferred
   1/tokens x clip factor of multimodal/multi_tensor.py) as torch's fused kernel does, without
@@ -33,7 +33,7 @@ the bias corrections need no device read.
 A step with a non-finite gradient norm (the optimizer's ``found_inf``, multimodal/nonfinite.py)
 is skipped by the kernel on the device; the host step count is corrected when that is read.
 
-Not covered (``install`` logs why and torch's fused AdamW runs as before): megatron FSDP, the
+Not covered (``use_flat_adamw`` logs why and torch's fused AdamW runs as before): megatron FSDP, the
 precision-aware optimizer, quantized parameters, Adam with L2 decay, amsgrad, maximize,
 capturable, gradients not reduced in fp32, a parameter outside the DDP buffers.
 """
@@ -296,7 +296,7 @@ def layout(megatron_opt, owner: dict) -> list[_Param] | str:
     return params
 
 
-def install(optimizer, ddp_chunks, requested: bool | None) -> list[FlatAdamW]:
+def use_flat_adamw(optimizer, ddp_chunks, requested: bool | None) -> list[FlatAdamW]:
     """Put flat AdamW under every torch AdamW of ``optimizer`` (a megatron optimizer, maybe chained)
     whose parameters it covers. ``requested``: True / False / None (= on a CUDA device with Triton).
     Returns the installed instances; logs why when one is not installed."""

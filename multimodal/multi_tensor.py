@@ -10,7 +10,7 @@ Without TE/Apex, megatron-core falls back to Python loops for its multi-tensor h
 - gradient clipping: one multiply per parameter;
 - AdamW: torch's foreach implementation, several kernels per parameter group.
 
-``install()`` replaces those with torch's own multi-tensor (``_foreach_*``) kernels, which
+``use_foreach_kernels()`` replaces those with torch's own multi-tensor (``_foreach_*``) kernels, which
 megatron calls through the very hooks TE/Apex would fill, and ``use_fused_adam()`` switches
 the torch AdamW inside megatron's optimizer to ``fused=True`` (one kernel per group and
 dtype). Results are the same up to fp32 summation order (tested). When TE or Apex is
@@ -67,7 +67,7 @@ def _apply(op, noop_flag, tensor_lists, *args):
     return op(None, noop_flag, tensor_lists, *args)
 
 
-def install() -> bool:
+def use_foreach_kernels() -> bool:
     """Fill megatron-core's multi-tensor hooks with torch ``_foreach`` kernels if it fell back to
     its Python loops. Returns True when it did (idempotent)."""
     global _INSTALLED

@@ -231,7 +231,7 @@ class UpdateOverlap:
             flat.overlap = None
 
 
-def install(model: torch.nn.Module, optimizer, requested: bool | None, opaque=(), pieces: int = 16):
+def overlap_update_with_forward(model: torch.nn.Module, optimizer, requested: bool | None, opaque=(), pieces: int = 16):
     """The overlap for ``model`` (the unwrapped module) and ``optimizer``'s flat AdamW, or None.
     ``requested``: True / False / None (= on where flat AdamW runs its kernel on a GPU)."""
     if requested is False:

@@ -21,15 +21,12 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
-from megatron.core.optimizer import get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from data.loader import MicroBatchIterator, build_dataset
 from data.prefetch import Prefetcher
 from models import get_model_builder
-from multimodal import checkpointing, flat_adamw_patch, multi_tensor, oom_advice, overlap_update, platform
+from multimodal import checkpointing, multi_tensor, oom_advice, platform
 from multimodal.config import Config, ConfigError, resolve_sources, validate
 from multimodal.context_parallel import sequence_pad_multiple
 from core.errors import NonFiniteError
@@ -41,6 +38,7 @@ from multimodal.memory import MemoryTools
 from multimodal.async_saves import AsyncSaves
 from multimodal.metrics import MetricsSink
 from multimodal.nonfinite import NonFiniteGuard, weights_finite
+from multimodal.optimizer import build_optimizer
 from models.common import layer_graphs, wgrad_fusion
 from multimodal.platform import Runtime, init_distributed, use_deterministic_algorithms
 from core.seeding import seed_everything
@@ -99,9 +97,9 @@ def build_model_and_optimizer(cfg: Config, rt: Runtime, dtype: torch.dtype):
         # one-sample rows take cuDNN attention under `auto` (models/common/attention.py): their own graphs
         one_segment = layer_graphs.one_segment_set_wanted(cfg.model.attention_backend, rt.device)
         if eager_decoder is None:
-            model.decoder_graphs = layer_graphs.install(model.language_model, t.cuda_graph_max_samples,
-                                                        one_segment_graphs=one_segment,
-                                                        grads_to_main_grad=t.cuda_graph_grads_to_main_grad)
+            model.decoder_graphs = layer_graphs.graph_decoder_layers(
+                model.language_model, t.cuda_graph_max_samples, one_segment_graphs=one_segment,
+                grads_to_main_grad=t.cuda_graph_grads_to_main_grad)
         else:
             log.info("CUDA graphs: vision encoder only; %s", eager_decoder)
         vision = getattr(model, "vision_model", None)
@@ -110,44 +108,7 @@ def build_model_and_optimizer(cfg: Config, rt: Runtime, dtype: torch.dtype):
                                                              t.cuda_graph_max_samples,
                                                              grads_to_main_grad=t.cuda_graph_grads_to_main_grad,
                                                              warmup_patches=t.cuda_graph_vision_warmup_patches)
-    o = cfg.optimizer
-    opt_cfg = McoreOptimizerConfig(
-        optimizer=o.name,
-        lr=o.lr,
-        min_lr=o.min_lr,
-        weight_decay=o.weight_decay,
-        adam_beta1=o.adam_beta1,
-        adam_beta2=o.adam_beta2,
-        adam_eps=o.adam_eps,
-        clip_grad=o.clip_grad,
-        bf16=dtype == torch.bfloat16,
-        params_dtype=dtype,
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-    )
-    multi_tensor.install()  # torch _foreach kernels where megatron would loop in Python (no TE/Apex)
-    optimizer = get_megatron_optimizer(opt_cfg, [ddp])
-    if o.fused:
-        multi_tensor.use_fused_adam(optimizer)
-        if o.defer_grad_scaling:
-            multi_tensor.defer_grad_scaling(optimizer, [ddp])
-    flat_adamw_patch.install(optimizer, [ddp], o.flat)  # before any step: the graphs capture param addresses
-    # the vision encoder replays all its blocks as one graph: its parameters are gated as one unit
-    opaque = [model.vision_model] if getattr(model, "vision_graphs", None) is not None else []
-    overlap_update.install(model, optimizer, o.overlap_step, opaque=opaque, pieces=o.overlap_step_pieces)
-    decay = o.decay_iters or cfg.train.iters
-    scheduler = OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0,
-        max_lr=o.lr,
-        min_lr=o.min_lr,
-        lr_warmup_steps=min(o.warmup_iters, decay - 1) if decay > 1 else 0,
-        lr_decay_steps=max(decay, 1),
-        lr_decay_style=o.lr_decay_style,
-        start_wd=o.weight_decay,
-        end_wd=o.weight_decay,
-        wd_incr_steps=max(decay, 1),
-        wd_incr_style="constant",
-    )
+    optimizer, scheduler = build_optimizer(cfg, model, ddp, dtype)
     # megatron's schedule calls these: DP grad reduction once per step, scaled once by the
     # total number of supervised tokens (calculate_per_token_loss).
     tcfg = model.config

@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     eager = [accumulate() for _ in range(2)]
     result["eager_ms_per_micro_batch"] = timed()
     one_segment = layer_graphs.one_segment_set_wanted(cfg.model.attention_backend, torch.device("cuda"))
-    graphs = layer_graphs.install(model.language_model, t.cuda_graph_max_samples, one_segment_graphs=one_segment,
+    graphs = layer_graphs.graph_decoder_layers(model.language_model, t.cuda_graph_max_samples, one_segment_graphs=one_segment,
                                   grads_to_main_grad=t.cuda_graph_grads_to_main_grad)
     graphed = [accumulate() for _ in range(2)]
     result["capture_failed"] = graphs.failed

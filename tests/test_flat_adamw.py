@@ -124,14 +124,14 @@ def _megatron_optimizer(flat: bool, bf16_cuda: bool = False):
     elif torch.cuda.is_available():  # megatron puts the gradient buffers on the GPU when there is one
         model = model.cuda()
     ddp = wrap_ddp(model)
-    multi_tensor.install()
+    multi_tensor.use_foreach_kernels()
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, clip_grad=0.0,
                                                  bf16=bf16_cuda, params_dtype=torch.bfloat16 if bf16_cuda else torch.float32),
                                  [ddp])
     multi_tensor.use_fused_adam(opt)
     for group in opt.optimizer.param_groups:  # what the trainer's scheduler sets each step
         group["weight_decay"] = 0.1 * group["wd_mult"]
-    installed = flat_mod.install(opt, [ddp], True) if flat else []
+    installed = flat_mod.use_flat_adamw(opt, [ddp], True) if flat else []
     assert len(installed) == (1 if flat else 0)
     return model, ddp, opt, installed
 
@@ -229,9 +229,9 @@ def test_install_refuses_what_it_does_not_cover(mcore, caplog):
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="sgd", lr=1e-2, bf16=False,
                                                  params_dtype=torch.float32), [ddp])
     with caplog.at_level("INFO"):
-        assert flat_mod.install(opt, [ddp], True) == []
+        assert flat_mod.use_flat_adamw(opt, [ddp], True) == []
     assert "not AdamW" in caplog.text
-    assert flat_mod.install(opt, [ddp], False) == []
+    assert flat_mod.use_flat_adamw(opt, [ddp], False) == []
 
 
 @pytest.mark.slow

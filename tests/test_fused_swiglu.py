@@ -66,8 +66,8 @@ def test_megatron_mlp_swiglu_is_routed_and_falls_back_with_the_reason(mcore, mon
     seen = []
     monkeypatch.setattr(mlp, "bias_swiglu_impl", lambda *a: seen.append(a) or "megatron")
     swiglu._warn_fallback.cache_clear()
-    swiglu.install()
-    swiglu.install()  # idempotent: one wrapper around megatron's function
+    swiglu.route_swiglu_to_triton()
+    swiglu.route_swiglu_to_triton()  # idempotent: one wrapper around megatron's function
     assert mlp.bias_swiglu_impl.triton_swiglu and not getattr(mlp.bias_swiglu_impl.megatron_impl, "triton_swiglu", 0)
     y = torch.randn(4, 1, 16)
     with caplog.at_level("WARNING"):

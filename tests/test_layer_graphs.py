@@ -53,7 +53,7 @@ def test_graphed_layers_equal_eager_layers(mcore, fused, to_main_grad):
     if fused:
         assert wgrad_fusion.enable(ddp) > 0
     eager_losses, eager_grads = accumulate(ddp, model, batches)
-    graphs = layer_graphs.install(model.language_model, max_samples=4, graph_factory=layer_graphs.EagerStandIn,
+    graphs = layer_graphs.graph_decoder_layers(model.language_model, max_samples=4, graph_factory=layer_graphs.EagerStandIn,
                                   grads_to_main_grad=to_main_grad)
     for _ in range(2):  # the first pass captures, the second only replays
         losses, grads = accumulate(ddp, model, batches)
@@ -96,7 +96,7 @@ def test_one_sample_rows_get_their_own_graphs(mcore, monkeypatch):
     eager_losses, eager_grads = accumulate(ddp, model, batches)
     eager_told = list(told)
     assert True in eager_told and False in eager_told
-    graphs = layer_graphs.install(model.language_model, max_samples=4, graph_factory=layer_graphs.EagerStandIn,
+    graphs = layer_graphs.graph_decoder_layers(model.language_model, max_samples=4, graph_factory=layer_graphs.EagerStandIn,
                                   one_segment_graphs=True)
     for _ in range(2):  # capture (two sets), then replay only
         told.clear()
@@ -117,7 +117,7 @@ def test_rows_that_do_not_fit_run_eagerly_and_are_counted(mcore):
     model, ddp, batches = _setup()
     eager_losses, eager_grads = accumulate(ddp, model, batches)
     # batches[2] holds 3 samples plus the tail padding: 4 segments, more than 3
-    graphs = layer_graphs.install(model.language_model, max_samples=3, graph_factory=layer_graphs.EagerStandIn)
+    graphs = layer_graphs.graph_decoder_layers(model.language_model, max_samples=3, graph_factory=layer_graphs.EagerStandIn)
     losses, grads = accumulate(ddp, model, batches)
     assert graphs.graphed_batches == 2
     assert graphs.eager_batches == {"more than train.cuda_graph_max_samples=3 samples in a row": 1}
@@ -219,7 +219,7 @@ def test_graphed_vision_encoder_equals_eager(mcore, with_decoder, to_main_grad, 
     assert [b["pixel_values"].shape[0] for b in batches] == [44, 16, 112]
     eager_losses, eager_grads = accumulate(ddp, model, batches)
     if with_decoder:
-        layer_graphs.install(model.language_model, max_samples=4, graph_factory=layer_graphs.EagerStandIn,
+        layer_graphs.graph_decoder_layers(model.language_model, max_samples=4, graph_factory=layer_graphs.EagerStandIn,
                              grads_to_main_grad=to_main_grad)
     graphs = model.vision_model.install_cuda_graphs(32, 8, 8, graph_factory=layer_graphs.EagerStandIn,
                                                     grads_to_main_grad=to_main_grad)
@@ -261,7 +261,7 @@ def test_fine_tuning_controls_replay_the_eager_gradients(mcore, tuning):
     ddp, batches = wrap_ddp(model), packed_rows(cfg, [(0, 1), (2,), (3, 4, 5)])
     wgrad_fusion.enable(ddp)  # the trained decoder linears (none when the language model is frozen)
     eager_losses, eager_grads = accumulate(ddp, model, batches)
-    decoder = layer_graphs.install(model.language_model, max_samples=4, graph_factory=layer_graphs.EagerStandIn,
+    decoder = layer_graphs.graph_decoder_layers(model.language_model, max_samples=4, graph_factory=layer_graphs.EagerStandIn,
                                    grads_to_main_grad=True)
     vision = model.vision_model.install_cuda_graphs(32, 8, 8, graph_factory=layer_graphs.EagerStandIn,
                                                     grads_to_main_grad=True)

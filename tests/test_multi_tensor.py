@@ -119,10 +119,10 @@ def test_deferred_scale_reaches_the_fused_adamw_and_the_hooks(monkeypatch):
 def test_install_fills_megatrons_hooks_once():
     from megatron.core.optimizer import clip_grads
 
-    multi_tensor.install()
+    multi_tensor.use_foreach_kernels()
     assert clip_grads.l2_norm_impl is multi_tensor._l2_norm
     assert clip_grads.multi_tensor_scale_tensor_impl is multi_tensor._clip_scale  # grad norm stays a tensor
-    assert multi_tensor.install() is True  # idempotent
+    assert multi_tensor.use_foreach_kernels() is True  # idempotent
 
 
 def test_use_fused_adam_switches_torch_adamw_groups():
@@ -144,7 +144,7 @@ def test_defer_grad_scaling_installs_and_lets_the_optimizer_go():
     import gc
     import weakref
 
-    multi_tensor.install()
+    multi_tensor.use_foreach_kernels()
     p = torch.nn.Parameter(torch.randn(4, 4))
 
     class Wrapped:  # megatron's optimizer keeps the torch one as .optimizer

@@ -48,7 +48,7 @@ def _train_steps(model, ddp, opt, rows, steps=3):
 def test_the_update_in_parts_equals_the_whole_update_bit_for_bit(mcore):
     ref_model, ref_ddp, ref_opt, _ = _megatron_optimizer(flat=True)
     model, ddp, opt, (flat,) = _megatron_optimizer(flat=True)
-    overlap = overlap_update.install(model, opt, True, pieces=4)
+    overlap = overlap_update.overlap_update_with_forward(model, opt, True, pieces=4)
     assert overlap is not None and flat.overlap is overlap
     assert (overlap.stream is None) == (not torch.cuda.is_available())  # CPU: the parts run in order
     cfg, _ = proxy_model()
@@ -95,12 +95,12 @@ def test_the_update_in_parts_equals_the_whole_update_bit_for_bit(mcore):
 def test_install_refuses_what_it_cannot_overlap(mcore, caplog):
     _, _, opt, _ = _megatron_optimizer(flat=False)
     _, model = proxy_model()
-    assert overlap_update.install(model, opt, True) is None
+    assert overlap_update.overlap_update_with_forward(model, opt, True) is None
     assert "needs flat AdamW" in caplog.text
     model, _, opt, _ = _megatron_optimizer(flat=True)
     if not torch.cuda.is_available():
-        assert overlap_update.install(model, opt, None) is None  # the default on a CPU: the step stays
-    assert overlap_update.install(model, opt, False) is None
+        assert overlap_update.overlap_update_with_forward(model, opt, None) is None  # the default on a CPU: the step stays
+    assert overlap_update.overlap_update_with_forward(model, opt, False) is None
 
 
 @pytest.mark.parametrize("overrides, words", [

@@ -333,7 +333,7 @@ class DecoderGraphs:
         flags = {id(p): getattr(p, "grad_added_to_main_grad", None) for g in graphs for p in g.params}
         on_gpu = hidden.is_cuda
         if on_gpu and torch.cuda.current_stream() == torch.cuda.default_stream():
-            raise RuntimeError("the trainer must run on a side stream (see install()); the capture would "
+            raise RuntimeError("the trainer must run on a side stream (see use_side_stream()); the capture would "
                                "join the default stream through DDP's gradient accumulator nodes")
         with _fla_cache_off():
             # warm-up: eager passes with the plain weight-gradient path (it must not touch main_grad),
@@ -523,7 +523,7 @@ def one_segment_set_wanted(attention_backend: str, device: torch.device) -> bool
     return attention_backend == "auto" and cudnn_device_unavailable(torch.device(device)) is None
 
 
-def install(language_model, max_samples: int, graph_factory=None, one_segment_graphs: bool = False,
+def graph_decoder_layers(language_model, max_samples: int, graph_factory=None, one_segment_graphs: bool = False,
             grads_to_main_grad: bool = False) -> DecoderGraphs:
     """Route ``language_model``'s decoder layers through CUDA graphs (after the DDP wrap, so the
     fused weight-gradient path sees main_grad; ``use_side_stream()`` before the model is built).

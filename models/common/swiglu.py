@@ -31,7 +31,7 @@ def _reason(input, bias, fp8_input_store, cpu_offload_input) -> str | None:
     return fused_swiglu.available(input)
 
 
-def install() -> None:
+def route_swiglu_to_triton() -> None:
     import megatron.core.transformer.mlp as mlp  # noqa: PLC0415
 
     if getattr(mlp.bias_swiglu_impl, "triton_swiglu", False):

@@ -8,7 +8,7 @@ separate fp32 add into ``main_grad`` (on the 2B recipe: 528 adds, ~9 ms of GPU t
 many host launches per step, docs/kernels.md).
 
 torch's ``addmm`` with ``out_dtype=float32`` does the same GEMM as Apex's kernel: bf16 inputs,
-fp32 accumulation, beta = 1 into the fp32 buffer. ``install()`` hands megatron a stand-in
+fp32 accumulation, beta = 1 into the fp32 buffer. ``enable()`` hands megatron a stand-in
 module with Apex's two entry points built on it. The result differs from the unfused path
 only in that the weight gradient is not rounded to bf16 before it is added (more exact).
 

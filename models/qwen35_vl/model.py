@@ -175,7 +175,7 @@ def build(cfg, parallel, params_dtype: torch.dtype, pre_process: bool = True, po
     m = cfg
     tcfg = transformer_config(m, parallel, params_dtype, deterministic)
     if tcfg.bias_activation_fusion:
-        swiglu.install()  # megatron's fused SwiGLU through our Triton kernels where they apply
+        swiglu.route_swiglu_to_triton()  # megatron's fused SwiGLU through our Triton kernels where they apply
     if m.num_experts:
         use_group_mean_token_count()  # aux-loss scaling that does not depend on the CP/SP split
     attn_mod.CoreAttention.backend = m.attention_backend

@@ -115,7 +115,7 @@ class VisionEncoder(nn.Module):
         """Replay blocks_and_merger as CUDA graphs per patch-count bucket (train.cuda_graphs)."""
         from models.qwen35_vl import vision_graphs  # noqa: PLC0415 - only when graphs are asked for
 
-        return vision_graphs.install(self, bucket, max_buckets, max_images, graph_factory, grads_to_main_grad,
+        return vision_graphs.graph_vision_encoder(self, bucket, max_buckets, max_images, graph_factory, grads_to_main_grad,
                                      warmup_patches)
 
     def blocks_and_merger(self, x: torch.Tensor, angles, geo: VisionGeometry) -> torch.Tensor:

@@ -287,7 +287,7 @@ class VisionGraphs:
         return tuple(out)
 
 
-def install(encoder, bucket: int, max_buckets: int, max_images: int, graph_factory=None,
+def graph_vision_encoder(encoder, bucket: int, max_buckets: int, max_images: int, graph_factory=None,
             grads_to_main_grad: bool = False, warmup_patches: int = 0) -> VisionGraphs:
     """Route ``encoder``'s blocks and merger through per-bucket CUDA graphs (``use_side_stream()``
     of models.common.layer_graphs before the model is built, as for the decoder graphs)."""
