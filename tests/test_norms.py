@@ -80,11 +80,11 @@ def test_variants_past_the_recompile_limit_run_eagerly_with_one_warning(compiled
     """A validation pass adds no-grad variants beside the training ones; past dynamo's limit the
     compiled norm (fullgraph) would raise: those calls run the eager norm instead."""
     monkeypatch.setattr(norms, "RECOMPILE_LIMIT", 1)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(6, 2, 16, generator=gen), 0.1 * torch.randn(16, generator=gen)
-    norm = norms._impl(norms.rms_norm_ref, x)
-    with caplog.at_level("WARNING", logger="models.common.norms"):
+    # torch's own override (pytest's monkeypatch of the config module leaves it without the key)
+    with torch._dynamo.config.patch(recompile_limit=1), caplog.at_level("WARNING", logger="models.common.norms"):
+        norm = norms._impl(norms.rms_norm_ref, x)
         first = norm(x, w, 1e-6, True)  # compiled: variant 1
         for _ in range(2):
             strided = x.transpose(0, 1).contiguous().transpose(0, 1)  # another layout: past the limit
