@@ -45,6 +45,12 @@ def line_offsets(path: Path) -> np.ndarray:
     return np.frombuffer(offsets, dtype=np.int64) if offsets else np.zeros(0, dtype=np.int64)
 
 
+def _locate(starts: np.ndarray, index: int) -> tuple[int, int]:
+    """(part, row within it) of ``index`` over parts whose first rows are ``starts`` (cumulative)."""
+    k = bisect.bisect_right(starts, index) - 1
+    return k, index - int(starts[k])
+
+
 class JsonlRecords:
     def __init__(self, path: Path):
         self.path, self.offsets = path, line_offsets(path)
@@ -94,8 +100,8 @@ class ArrowRecords:
         return int(self.starts[-1])
 
     def __getitem__(self, index: int):
-        k = bisect.bisect_right(self.starts, index) - 1
-        return self.tables[k].slice(index - int(self.starts[k]), 1).to_pylist()[0]
+        k, row = _locate(self.starts, index)
+        return self.tables[k].slice(row, 1).to_pylist()[0]
 
 
 class ParquetRecords:
@@ -116,7 +122,7 @@ class ParquetRecords:
         return int(self.starts[-1])
 
     def __getitem__(self, index: int):
-        k = bisect.bisect_right(self.starts, index) - 1
+        k, row = _locate(self.starts, index)
         table = self.cache.get(k)
         if table is None:
             i, g = self.groups[k]
@@ -125,7 +131,7 @@ class ParquetRecords:
                 self.cache.popitem(last=False)
         else:
             self.cache.move_to_end(k)
-        return table.slice(index - int(self.starts[k]), 1).to_pylist()[0]
+        return table.slice(row, 1).to_pylist()[0]
 
 
 class ChainedRecords:
@@ -137,8 +143,8 @@ class ChainedRecords:
         return int(self.starts[-1])
 
     def __getitem__(self, index: int):
-        k = bisect.bisect_right(self.starts, index) - 1
-        return self.parts[k][index - int(self.starts[k])]
+        k, row = _locate(self.starts, index)
+        return self.parts[k][row]
 
 
 def open_records(path: str | Path):
