@@ -14,13 +14,17 @@ names a checkpoint still being written, and a kill -9 at any moment leaves the p
   flight (``wait``); a SIGTERM then ends the run with exit code 143.
 - A full disk in the writer process is reported as on the synchronous path (partial files
   removed, earlier checkpoints intact).
-- The host copies go into page-locked buffers kept from one save to the next (``PinnedStaging``).
+- The host copies go into page-locked buffers kept from one save to the next (``PinnedStaging``),
+  page-locked in the background during the first steps (``reserve``), so that not even the first
+  save pays for it.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+import threading
+import time
 
 import torch
 
@@ -37,18 +41,63 @@ class PinnedStaging:
     blocks an earlier save freed, if their sizes fit. Page-locking is what costs: on an H200,
     29 GiB staged that way took 32.9 s the first time and 0.57 s the second
     (scripts/bench_checkpoint_staging.py); the 2B recipe's first save stopped training 27.3 s.
-    Here each tensor gets a buffer of its own, allocated at the first save and reused while the
-    checkpoint's layout stays the same (0.57 s, 55 GB/s), whatever the allocator's cache holds;
-    allocating them before the first save is what is left. Reuse is safe because at most one
-    save is in flight: a new save stages only after the previous writer process is done."""
+    Here each tensor gets a buffer of its own, kept and reused while the checkpoint's layout stays
+    the same (0.57 s, 55 GB/s). ``reserve`` page-locks a pool for the first save in a background
+    thread while training runs, in chunks, so the first save carves its buffers out of memory
+    already locked. Reuse is safe because at most one save is in flight: a new save stages only
+    after the previous writer process is done."""
 
-    def __init__(self, copy_host_tensors: bool = False):
+    CHUNK_BYTES = 256 << 20  # one page-locking call: short, so the training thread's CUDA calls interleave
+    ALIGN = 256
+
+    def __init__(self, copy_host_tensors: bool = False, chunk_bytes: int | None = None):
         self.buffers: dict[tuple, torch.Tensor] = {}
         self.copy_host_tensors = copy_host_tensors  # tests: stage CPU tensors too (no GPU here)
+        self.chunk_bytes = chunk_bytes or self.CHUNK_BYTES
+        self.pool: list[torch.Tensor] = []  # page-locked uint8 chunks not yet carved up
+        self._reserving: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def reserve(self, nbytes: int) -> None:
+        """Page-lock about ``nbytes`` of host memory in the background for the first save."""
+        pin = torch.cuda.is_available()
+
+        def run():
+            t0, total = time.perf_counter(), 0
+            while total < nbytes and not self._stop.is_set():
+                self.pool.append(torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=pin))
+                total += self.chunk_bytes
+            log.info("checkpoint staging: %.1f GiB of host memory page-locked in the background in %.1f s%s",
+                     total / 2**30, time.perf_counter() - t0,
+                     " (stopped early by the first save)" if total < nbytes else "")
+
+        self._reserving = threading.Thread(target=run, name="pin-checkpoint-staging", daemon=True)
+        self._reserving.start()
+
+    def _stop_reserving(self) -> None:
+        if self._reserving is not None:
+            self._stop.set()
+            self._reserving.join()  # finishes the chunk it is locking
+            self._reserving = None
+
+    def _carve(self, shape, dtype, cursor: list) -> torch.Tensor | None:
+        """A view of the pool for one tensor, or None when the pool has no room for it.
+        ``cursor``: [chunk index, byte offset], advanced past the view."""
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        if nbytes == 0 or nbytes > self.chunk_bytes:
+            return None
+        while cursor[0] < len(self.pool):
+            start = -(-cursor[1] // self.ALIGN) * self.ALIGN
+            if start + nbytes <= self.chunk_bytes:
+                cursor[1] = start + nbytes
+                return self.pool[cursor[0]][start:start + nbytes].view(dtype).view(shape)
+            cursor[0], cursor[1] = cursor[0] + 1, 0
+        return None
 
     def __call__(self, write_buckets: list, non_blocking: bool = True) -> list:
+        self._stop_reserving()
         pin = torch.cuda.is_available()
-        used, staged = {}, []
+        used, staged, cursor, fresh = {}, [], [0, 0], 0
         for file_name, storage_key, (bytes_data, tensor_data) in write_buckets:
             tensors = []
             for item, tensor in tensor_data:
@@ -58,19 +107,62 @@ class PinnedStaging:
                 key = (storage_key, len(tensors), tuple(tensor.shape), tensor.dtype)
                 buf = self.buffers.get(key)
                 if buf is None:
+                    buf = self._carve(tensor.shape, tensor.dtype, cursor)
+                if buf is None:
                     buf = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+                    fresh += buf.numel() * buf.element_size()
                 buf.copy_(tensor, non_blocking=pin)
                 used[key] = buf
                 tensors.append((item, buf))
             staged.append((file_name, storage_key, (bytes_data, tensors)))
+        if self.pool:
+            log.info("checkpoint staging: %.2f GiB from the page-locked pool, %.2f GiB locked at the save",
+                     (self.nbytes_of(used) - fresh) / 2**30, fresh / 2**30)
+            self.pool = []  # the buffers carved from it keep their chunks; the rest is let go
         self.buffers = used  # buffers of a layout no longer saved are let go
         if pin:
             torch.cuda.synchronize()  # the writer process is forked next: the copies must be complete
         return staged
 
+    @staticmethod
+    def nbytes_of(buffers: dict) -> int:
+        return sum(b.numel() * b.element_size() for b in buffers.values())
+
     @property
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+        return self.nbytes_of(self.buffers)
+
+    def close(self) -> None:
+        self._stop_reserving()
+        self.buffers, self.pool = {}, []
+
+
+def checkpoint_bytes(model, optimizer, device_type: str = "cuda") -> int:
+    """About the bytes this rank's checkpoint stages from the GPU: the model's weights and
+    buffers, and every inner optimizer's parameters (fp32 main copies) and state (moments)."""
+    seen, total = set(), 0
+
+    def add(t):
+        nonlocal total
+        if isinstance(t, torch.Tensor) and t.device.type == device_type and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+
+    for t in model.state_dict().values():
+        add(t)
+    stack = [optimizer]
+    while stack:
+        opt = stack.pop()
+        stack.extend(getattr(opt, "chained_optimizers", []))
+        inner = getattr(opt, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    add(p)
+            for state in inner.state.values():
+                for t in state.values():
+                    add(t)
+    return total
 
 
 class AsyncSaves:
@@ -86,6 +178,24 @@ class AsyncSaves:
         self.in_flight = None  # (root, tmp, bytes needed) of the save being written
         self.terminated = False
         self._previous_handler = None
+
+    def reserve_staging(self, model, optimizer) -> None:
+        """Page-lock the first save's host buffers in the background (GPU runs; after the first
+        step, once the optimizer's moments exist). At most half the host memory free now, shared
+        by this node's ranks: past that the save locks the rest itself, as before."""
+        if not torch.cuda.is_available():
+            return
+        import os
+
+        import psutil
+
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        want = checkpoint_bytes(model, optimizer)
+        nbytes = min(want, psutil.virtual_memory().available // (2 * local_ranks))
+        if nbytes < want:
+            log.info("checkpoint staging: the first save needs about %.1f GiB of host memory per rank; "
+                     "page-locking %.1f GiB of it ahead", want / 2**30, nbytes / 2**30)
+        self.staging.reserve(nbytes)
 
     def submit(self, request, commit, root, tmp, need) -> None:
         self.wait()  # at most one save in flight
@@ -140,7 +250,7 @@ class AsyncSaves:
             self.wait()
         finally:
             FileSystemWriterAsync.preload_tensors = self._megatron_preload
-            self.staging.buffers = {}
+            self.staging.close()
             self.queue.close()
             if self._previous_handler is not None:
                 signal.signal(signal.SIGTERM, self._previous_handler)

@@ -335,6 +335,8 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
             # a skipped step (non-finite gradient norm) is counted, its loss left out of the window's
             report += guard.after_step(it, scheduler.get_lr(optimizer.param_groups[0]), step_report)
             scheduler.step(increment=1)
+            if saves is not None and it == start + 2:  # the moments exist (an overlapped update included)
+                saves.reserve_staging(model, optimizer)
             window.add(step.batches, m)
             profiler.end(it)
             sink.advance()

@@ -106,3 +106,55 @@ def test_staging_buffers_are_reused_from_one_save_to_the_next():
     assert [t.data_ptr() for t in second] == [t.data_ptr() for t in staged] and torch.equal(second[0], a)
     staging(buckets(torch.zeros(2, 2)))  # another layout: new buffer, the old ones released
     assert staging.nbytes == 16 and len(staging.buffers) == 1
+
+
+def test_first_save_stages_into_the_memory_reserved_ahead():
+    """reserve() locks a pool of chunks in a background thread; the first save carves its
+    buffers out of it (aligned views, values equal), a tensor larger than a chunk gets a buffer
+    of its own, and a save that comes before the pool is complete stops the thread and uses what
+    is there."""
+    import torch
+
+    from multimodal.async_saves import PinnedStaging
+
+    staging = PinnedStaging(copy_host_tensors=True, chunk_bytes=1024)
+    staging.reserve(4096)
+    staging._reserving.join()
+    assert len(staging.pool) == 4
+    chunks = {c.untyped_storage().data_ptr() for c in staging.pool}
+    small = [torch.randn(50), torch.arange(30, dtype=torch.int64), torch.randn(7, dtype=torch.bfloat16)]
+    big = torch.randn(300)  # 1200 bytes: more than a chunk
+    out = staging([("/c/a.distcp", "a", ([], [(f"t{i}", t) for i, t in enumerate([*small, big])]))])
+    staged = [t for _, t in out[0][2][1]]
+    assert all(torch.equal(s, t) for s, t in zip(staged, [*small, big]))
+    assert all(s.untyped_storage().data_ptr() in chunks for s in staged[:3])
+    assert all((s.data_ptr() - s.untyped_storage().data_ptr()) % PinnedStaging.ALIGN == 0 for s in staged[:3])
+    assert staged[3].untyped_storage().data_ptr() not in chunks
+    assert staging.pool == []  # what was not carved is let go
+    # the next save reuses the carved buffers
+    again = [t for _, t in staging([("/c/a.distcp", "a", ([], [(f"t{i}", t) for i, t in
+                                                              enumerate([*small, big])]))])[0][2][1]]
+    assert [t.data_ptr() for t in again] == [t.data_ptr() for t in staged]
+
+    early = PinnedStaging(copy_host_tensors=True, chunk_bytes=1024)
+    early.reserve(1 << 40)  # would never finish: the save stops it
+    out = early([("/c/b.distcp", "b", ([], [("x", torch.ones(10))]))])
+    assert early._reserving is None and torch.equal(out[0][2][1][0][1], torch.ones(10))
+
+
+def test_checkpoint_bytes_counts_weights_main_params_and_moments_once():
+    """The reserve's estimate: model state plus every inner optimizer's parameters and moments
+    on the device the checkpoint stages from, each tensor once."""
+    import torch
+
+    from multimodal.async_saves import checkpoint_bytes
+
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    wrapper = type("Chained", (), {"chained_optimizers": [type("Inner", (), {"optimizer": opt})()]})()
+    # weights (15 floats) once, though they are also the optimizer's params; two moments each;
+    # torch keeps each parameter's step count as a one-float tensor
+    assert checkpoint_bytes(model, wrapper, device_type="cpu") == 15 * 4 * 3 + 2 * 4
+    assert checkpoint_bytes(model, wrapper, device_type="cuda") == 0  # nothing to stage from a GPU
