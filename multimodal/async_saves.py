@@ -61,8 +61,11 @@ class PinnedStaging:
     def reserve(self, nbytes: int) -> None:
         """Page-lock about ``nbytes`` of host memory in the background for the first save."""
         pin = torch.cuda.is_available()
+        device = torch.cuda.current_device() if pin else None
 
         def run():
+            if device is not None:  # a new thread starts on GPU 0: stay off other ranks' GPUs
+                torch.cuda.set_device(device)
             t0, total = time.perf_counter(), 0
             while total < nbytes and not self._stop.is_set():
                 self.pool.append(torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=pin))
