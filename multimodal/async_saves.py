@@ -21,6 +21,7 @@ names a checkpoint still being written, and a kill -9 at any moment leaves the p
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import signal
 import threading
@@ -43,9 +44,14 @@ class PinnedStaging:
     (scripts/bench_checkpoint_staging.py); the 2B recipe's first save stopped training 27.3 s.
     Here each tensor gets a buffer of its own, kept and reused while the checkpoint's layout stays
     the same (0.57 s, 55 GB/s). ``reserve`` page-locks a pool for the first save in a background
-    thread while training runs, in chunks, so the first save carves its buffers out of memory
-    already locked. Reuse is safe because at most one save is in flight: a new save stages only
-    after the previous writer process is done."""
+    thread while training runs, so the first save carves its buffers out of memory already
+    locked: one chunk per large tensor, the small ones packed into shared chunks. Reuse is safe
+    because at most one save is in flight: a new save stages only after the previous writer
+    process is done.
+
+    A carved buffer owns a storage of exactly its bytes (``torch.frombuffer`` over the chunk), not
+    a view of the chunk's storage: the writer serializes a tensor's whole storage, and views of a
+    shared chunk would each write the whole chunk."""
 
     CHUNK_BYTES = 256 << 20  # one page-locking call: short, so the training thread's CUDA calls interleave
     ALIGN = 256
@@ -55,24 +61,39 @@ class PinnedStaging:
         self.copy_host_tensors = copy_host_tensors  # tests: stage CPU tensors too (no GPU here)
         self.chunk_bytes = chunk_bytes or self.CHUNK_BYTES
         self.pool: list[torch.Tensor] = []  # page-locked uint8 chunks not yet carved up
+        self.chunks: list[torch.Tensor] = []  # every chunk carved from (kept while its buffers may be)
+        self._reserved = False  # reserve() ran and the first save has not come yet
         self._reserving: threading.Thread | None = None
         self._stop = threading.Event()
 
-    def reserve(self, nbytes: int) -> None:
-        """Page-lock about ``nbytes`` of host memory in the background for the first save."""
+    def plan(self, sizes: list[int]) -> list[int]:
+        """Chunk sizes for tensors of ``sizes`` bytes: one per tensor larger than a chunk, and
+        enough shared chunks for the rest (with room for what packing leaves unused)."""
+        large = sorted((n for n in sizes if n > self.chunk_bytes), reverse=True)
+        small = sum(-(-n // self.ALIGN) * self.ALIGN for n in sizes if n <= self.chunk_bytes)
+        shared = -(-small * 9 // 8 // self.chunk_bytes) + (1 if small else 0)
+        return large + [self.chunk_bytes] * shared
+
+    def reserve(self, sizes: list[int], max_bytes: int | None = None) -> None:
+        """Page-lock, in the background, the chunks ``plan(sizes)`` names (up to ``max_bytes``)."""
         pin = torch.cuda.is_available()
         device = torch.cuda.current_device() if pin else None
+        chunks = self.plan(sizes)
+        want = sum(chunks)
+        self._reserved = True
 
         def run():
             if device is not None:  # a new thread starts on GPU 0: stay off other ranks' GPUs
                 torch.cuda.set_device(device)
             t0, total = time.perf_counter(), 0
-            while total < nbytes and not self._stop.is_set():
-                self.pool.append(torch.empty(self.chunk_bytes, dtype=torch.uint8, pin_memory=pin))
-                total += self.chunk_bytes
-            log.info("checkpoint staging: %.1f GiB of host memory page-locked in the background in %.1f s%s",
-                     total / 2**30, time.perf_counter() - t0,
-                     " (stopped early by the first save)" if total < nbytes else "")
+            for n in chunks:
+                if self._stop.is_set() or (max_bytes is not None and total + n > max_bytes):
+                    break
+                self.pool.append(torch.empty(n, dtype=torch.uint8, pin_memory=pin))
+                total += n
+            log.info("checkpoint staging: %.1f of %.1f GiB of host memory page-locked in the background in "
+                     "%.1f s%s", total / 2**30, want / 2**30, time.perf_counter() - t0,
+                     " (stopped by the first save)" if self._stop.is_set() else "")
 
         self._reserving = threading.Thread(target=run, name="pin-checkpoint-staging", daemon=True)
         self._reserving.start()
@@ -83,24 +104,42 @@ class PinnedStaging:
             self._reserving.join()  # finishes the chunk it is locking
             self._reserving = None
 
-    def _carve(self, shape, dtype, cursor: list) -> torch.Tensor | None:
-        """A view of the pool for one tensor, or None when the pool has no room for it.
-        ``cursor``: [chunk index, byte offset], advanced past the view."""
+    def _carve(self, shape, dtype, cursor: dict) -> torch.Tensor | None:
+        """A buffer for one tensor from the pool, or None when the pool has no room for it: the
+        smallest free large chunk that holds it, else the next room in the shared chunks.
+        ``cursor``: the shared chunk being filled and its next free byte."""
         nbytes = torch.Size(shape).numel() * dtype.itemsize
-        if nbytes == 0 or nbytes > self.chunk_bytes:
+        if nbytes == 0:
             return None
-        while cursor[0] < len(self.pool):
-            start = -(-cursor[1] // self.ALIGN) * self.ALIGN
-            if start + nbytes <= self.chunk_bytes:
-                cursor[1] = start + nbytes
-                return self.pool[cursor[0]][start:start + nbytes].view(dtype).view(shape)
-            cursor[0], cursor[1] = cursor[0] + 1, 0
-        return None
+        if nbytes > self.chunk_bytes:
+            fits = [c for c in self.pool if c.numel() > self.chunk_bytes and c.numel() >= nbytes]
+            if not fits:
+                return None
+            chunk = min(fits, key=lambda c: c.numel())
+            self.pool = [c for c in self.pool if c is not chunk]
+            return self._buffer(chunk, 0, nbytes, shape, dtype)
+        while True:
+            chunk = cursor.get("chunk")
+            start = -(-cursor.get("offset", 0) // self.ALIGN) * self.ALIGN
+            if chunk is not None and start + nbytes <= chunk.numel():
+                cursor["offset"] = start + nbytes
+                return self._buffer(chunk, start, nbytes, shape, dtype)
+            shared = [c for c in self.pool if c.numel() == self.chunk_bytes]
+            if not shared:
+                return None
+            self.pool = [c for c in self.pool if c is not shared[0]]
+            cursor.update(chunk=shared[0], offset=0)
+
+    def _buffer(self, chunk: torch.Tensor, start: int, nbytes: int, shape, dtype) -> torch.Tensor:
+        if not any(c is chunk for c in self.chunks):
+            self.chunks.append(chunk)
+        memory = (ctypes.c_uint8 * chunk.numel()).from_address(chunk.data_ptr())
+        return torch.frombuffer(memory, dtype=torch.uint8, count=nbytes, offset=start).view(dtype).view(shape)
 
     def __call__(self, write_buckets: list, non_blocking: bool = True) -> list:
         self._stop_reserving()
         pin = torch.cuda.is_available()
-        used, staged, cursor, fresh = {}, [], [0, 0], 0
+        used, staged, cursor, fresh = {}, [], {}, 0
         for file_name, storage_key, (bytes_data, tensor_data) in write_buckets:
             tensors = []
             for item, tensor in tensor_data:
@@ -118,10 +157,10 @@ class PinnedStaging:
                 used[key] = buf
                 tensors.append((item, buf))
             staged.append((file_name, storage_key, (bytes_data, tensors)))
-        if self.pool:
-            log.info("checkpoint staging: %.2f GiB from the page-locked pool, %.2f GiB locked at the save",
+        if self._reserved:
+            log.info("checkpoint staging: %.2f GiB staged into memory page-locked ahead, %.2f GiB locked at the save",
                      (self.nbytes_of(used) - fresh) / 2**30, fresh / 2**30)
-            self.pool = []  # the buffers carved from it keep their chunks; the rest is let go
+        self.pool, self._reserved = [], False  # what the first save did not use is let go
         self.buffers = used  # buffers of a layout no longer saved are let go
         if pin:
             torch.cuda.synchronize()  # the writer process is forked next: the copies must be complete
@@ -137,19 +176,19 @@ class PinnedStaging:
 
     def close(self) -> None:
         self._stop_reserving()
-        self.buffers, self.pool = {}, []
+        self.buffers, self.pool, self.chunks = {}, [], []
 
 
-def checkpoint_bytes(model, optimizer, device_type: str = "cuda") -> int:
-    """About the bytes this rank's checkpoint stages from the GPU: the model's weights and
-    buffers, and every inner optimizer's parameters (fp32 main copies) and state (moments)."""
-    seen, total = set(), 0
+def checkpoint_tensor_sizes(model, optimizer, device_type: str = "cuda") -> list[int]:
+    """About the tensors (their bytes) this rank's checkpoint stages from the GPU: the model's
+    weights and buffers, and every inner optimizer's parameters (fp32 main copies) and state
+    (moments), each tensor once."""
+    seen, sizes = set(), []
 
     def add(t):
-        nonlocal total
         if isinstance(t, torch.Tensor) and t.device.type == device_type and t.data_ptr() not in seen:
             seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
+            sizes.append(t.numel() * t.element_size())
 
     for t in model.state_dict().values():
         add(t)
@@ -165,7 +204,7 @@ def checkpoint_bytes(model, optimizer, device_type: str = "cuda") -> int:
             for state in inner.state.values():
                 for t in state.values():
                     add(t)
-    return total
+    return sizes
 
 
 class AsyncSaves:
@@ -193,12 +232,12 @@ class AsyncSaves:
         import psutil
 
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        want = checkpoint_bytes(model, optimizer)
-        nbytes = min(want, psutil.virtual_memory().available // (2 * local_ranks))
-        if nbytes < want:
+        sizes = checkpoint_tensor_sizes(model, optimizer)
+        cap = psutil.virtual_memory().available // (2 * local_ranks)
+        if sum(sizes) > cap:
             log.info("checkpoint staging: the first save needs about %.1f GiB of host memory per rank; "
-                     "page-locking %.1f GiB of it ahead", want / 2**30, nbytes / 2**30)
-        self.staging.reserve(nbytes)
+                     "page-locking at most %.1f GiB of it ahead", sum(sizes) / 2**30, cap / 2**30)
+        self.staging.reserve(sizes, max_bytes=cap)
 
     def submit(self, request, commit, root, tmp, need) -> None:
         self.wait()  # at most one save in flight

@@ -109,52 +109,62 @@ def test_staging_buffers_are_reused_from_one_save_to_the_next():
 
 
 def test_first_save_stages_into_the_memory_reserved_ahead():
-    """reserve() locks a pool of chunks in a background thread; the first save carves its
-    buffers out of it (aligned views, values equal), a tensor larger than a chunk gets a buffer
-    of its own, and a save that comes before the pool is complete stops the thread and uses what
-    is there."""
+    """reserve() locks chunks in a background thread: one per tensor larger than a chunk, shared
+    ones for the rest. The first save carves its buffers out of them (values equal, each buffer
+    a storage of its own bytes, so the writer serializes only them), and the next save reuses
+    them; a save that comes before the pool is complete stops the thread and uses what is there."""
+    import io
+
     import torch
 
     from multimodal.async_saves import PinnedStaging
 
     staging = PinnedStaging(copy_host_tensors=True, chunk_bytes=1024)
-    staging.reserve(4096)
-    staging._reserving.join()
-    assert len(staging.pool) == 4
-    chunks = {c.untyped_storage().data_ptr() for c in staging.pool}
     small = [torch.randn(50), torch.arange(30, dtype=torch.int64), torch.randn(7, dtype=torch.bfloat16)]
-    big = torch.randn(300)  # 1200 bytes: more than a chunk
-    out = staging([("/c/a.distcp", "a", ([], [(f"t{i}", t) for i, t in enumerate([*small, big])]))])
-    staged = [t for _, t in out[0][2][1]]
-    assert all(torch.equal(s, t) for s, t in zip(staged, [*small, big]))
-    assert all(s.untyped_storage().data_ptr() in chunks for s in staged[:3])
-    assert all((s.data_ptr() - s.untyped_storage().data_ptr()) % PinnedStaging.ALIGN == 0 for s in staged[:3])
-    assert staged[3].untyped_storage().data_ptr() not in chunks
+    big = [torch.randn(300), torch.randn(600)]  # 1200 and 2400 bytes: more than a chunk
+    sizes = [t.numel() * t.element_size() for t in [*small, *big]]
+    assert staging.plan(sizes) == [2400, 1200, 1024, 1024]
+    staging.reserve(sizes)
+    staging._reserving.join()
+    chunks = [(c.data_ptr(), c.data_ptr() + c.numel()) for c in staging.pool]
+
+    def save(tensors):
+        return [t for _, t in staging([("/c/a.distcp", "a", ([], [(f"t{i}", t) for i, t in
+                                                                enumerate(tensors)]))])[0][2][1]]
+
+    staged = save([*small, *big])
+    assert all(torch.equal(s, t) for s, t in zip(staged, [*small, *big]))
+    assert all(any(lo <= s.data_ptr() < hi for lo, hi in chunks) for s in staged)  # all from the pool
+    assert len({s.data_ptr() for s in staged}) == 5
+    for s in staged:
+        assert s.untyped_storage().nbytes() == s.numel() * s.element_size()
+        blob = io.BytesIO()
+        torch.save(s, blob)
+        assert len(blob.getvalue()) < s.numel() * s.element_size() + 2048  # not the whole chunk
     assert staging.pool == []  # what was not carved is let go
-    # the next save reuses the carved buffers
-    again = [t for _, t in staging([("/c/a.distcp", "a", ([], [(f"t{i}", t) for i, t in
-                                                              enumerate([*small, big])]))])[0][2][1]]
-    assert [t.data_ptr() for t in again] == [t.data_ptr() for t in staged]
+    small[0].add_(1)
+    again = save([*small, *big])  # the next save: the same buffers, the new values
+    assert [t.data_ptr() for t in again] == [t.data_ptr() for t in staged] and torch.equal(again[0], small[0])
 
     early = PinnedStaging(copy_host_tensors=True, chunk_bytes=1024)
-    early.reserve(1 << 40)  # would never finish: the save stops it
+    early.reserve([1 << 20] * (1 << 20))  # a terabyte: the save stops it
     out = early([("/c/b.distcp", "b", ([], [("x", torch.ones(10))]))])
     assert early._reserving is None and torch.equal(out[0][2][1][0][1], torch.ones(10))
 
 
-def test_checkpoint_bytes_counts_weights_main_params_and_moments_once():
+def test_checkpoint_tensor_sizes_counts_weights_main_params_and_moments_once():
     """The reserve's estimate: model state plus every inner optimizer's parameters and moments
     on the device the checkpoint stages from, each tensor once."""
     import torch
 
-    from multimodal.async_saves import checkpoint_bytes
+    from multimodal.async_saves import checkpoint_tensor_sizes
 
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
     wrapper = type("Chained", (), {"chained_optimizers": [type("Inner", (), {"optimizer": opt})()]})()
-    # weights (15 floats) once, though they are also the optimizer's params; two moments each;
-    # torch keeps each parameter's step count as a one-float tensor
-    assert checkpoint_bytes(model, wrapper, device_type="cpu") == 15 * 4 * 3 + 2 * 4
-    assert checkpoint_bytes(model, wrapper, device_type="cuda") == 0  # nothing to stage from a GPU
+    # weight (48 bytes) and bias (12) once, though they are also the optimizer's params; two
+    # moments each; torch keeps each parameter's step count as a one-float tensor
+    assert sorted(checkpoint_tensor_sizes(model, wrapper, device_type="cpu")) == [4, 4, 12, 12, 12, 48, 48, 48]
+    assert checkpoint_tensor_sizes(model, wrapper, device_type="cuda") == []  # nothing to stage from a GPU
