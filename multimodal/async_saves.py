@@ -41,7 +41,8 @@ class PinnedStaging:
     new page-locked host tensors at every save, which torch's host allocator serves from the
     blocks an earlier save freed, if their sizes fit. Page-locking is what costs: on an H200,
     29 GiB staged that way took 32.9 s the first time and 0.57 s the second
-    (scripts/bench_checkpoint_staging.py); the 2B recipe's first save stopped training 27.3 s.
+    (scripts/bench_checkpoint_staging.py); the 2B recipe's first save stopped training 27.3 s,
+    and 1.7 s with the pool below (docs/fault_tolerance.md).
     Here each tensor gets a buffer of its own, kept and reused while the checkpoint's layout stays
     the same (0.57 s, 55 GB/s). ``reserve`` page-locks a pool for the first save in a background
     thread while training runs, so the first save carves its buffers out of memory already

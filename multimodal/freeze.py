@@ -15,6 +15,8 @@ import logging
 
 import torch
 
+from models.common.frozen_linear import fold_frozen_linear_inputs
+
 log = logging.getLogger(__name__)
 
 
@@ -43,6 +45,8 @@ def freeze(model: torch.nn.Module, groups: list[str]) -> dict[str, tuple[int, in
             param.requires_grad_(False)
         trainable, total = counts.get(group, (0, 0))
         counts[group] = (trainable + (param.numel() if param.requires_grad else 0), total + param.numel())
+    if groups:
+        fold_frozen_linear_inputs()  # frozen linears take megatron's frozen-weight path
     return counts
 
 

@@ -92,3 +92,36 @@ def test_dry_run_counts_frozen_weights_out_of_grads_and_optimizer():
     assert full.grads - frozen.grads == pytest.approx(4 * sp.frozen / gib)  # fp32 gradient
     assert full.optimizer - frozen.optimizer == pytest.approx(12 * sp.frozen / gib)  # main params + m + v
     assert frozen.weights == full.weights and frozen.activations < full.activations
+
+
+def test_frozen_linears_take_a_2d_input(mcore, monkeypatch):
+    """A frozen megatron linear given [S, 1, H] with a transposed layout (the GDN in_proj input)
+    reaches its GEMM as [S, H] (torch < 2.12 ran such a matmul as S one-row products,
+    models/common/frozen_linear.py), with the outputs and input gradients of the plain product,
+    for a column- and a row-parallel layer."""
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.tensor_parallel import layers
+
+    from models.common.frozen_linear import fold_frozen_linear_inputs
+
+    fold_frozen_linear_inputs()
+    seen = []
+    real_apply = layers.LinearWithFrozenWeight.apply
+    monkeypatch.setattr(layers.LinearWithFrozenWeight, "apply",
+                        lambda input, *args: (seen.append(input.dim()), real_apply(input, *args))[1])
+    config = ModelParallelConfig(perform_initialization=False)
+    init = torch.nn.init.normal_
+    column = layers.ColumnParallelLinear(24, 40, config=config, init_method=init, bias=False, gather_output=False)
+    row = layers.RowParallelLinear(40, 24, config=config, init_method=init, bias=False, input_is_parallel=True,
+                                   skip_bias_add=True)
+    for layer in (column, row):
+        layer.weight.requires_grad_(False).normal_()
+        x = torch.randn(1, 16, layer.weight.shape[1], dtype=torch.float64).transpose(0, 1).requires_grad_(True)
+        y, _ = layer(x.float())
+        assert y.shape == (16, 1, layer.weight.shape[0])
+        expected = x.detach().float() @ layer.weight.t()
+        torch.testing.assert_close(y, expected)
+        (y * torch.arange(y.numel()).view(y.shape)).sum().backward()
+        grad = torch.arange(y.numel(), dtype=torch.float32).view(16, -1) @ layer.weight
+        torch.testing.assert_close(x.grad.float().view(16, -1), grad)
+    assert seen == [2, 2]

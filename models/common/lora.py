@@ -57,6 +57,8 @@ from megatron.core.tensor_parallel.mappings import (
 )
 from torch import nn
 
+from models.common.frozen_linear import as_2d, fold_frozen_linear_inputs
+
 
 def _tp_size(linear: nn.Module) -> int:
     group = getattr(linear, "tp_group", None)
@@ -114,6 +116,7 @@ def add_adapter(linear: nn.Module, rank: int, alpha: float, dropout: float, name
         # sequence parallelism: each rank's gradient of the replicated matrix covers its part of the sequence
         replicated.sequence_parallel = bool(linear.sequence_parallel)
     linear.register_forward_hook(_add_lora_term, with_kwargs=True)
+    fold_frozen_linear_inputs()  # its base weight is frozen
 
 
 def _dropout(linear: nn.Module, x: torch.Tensor, split_input: bool) -> torch.Tensor:
@@ -128,22 +131,25 @@ def _add_lora_term(linear: nn.Module, args: tuple, kwargs: dict, output):
     tp = _tp_size(linear)
     sp = tp > 1 and linear.sequence_parallel
     group = getattr(linear, "tp_group", None)
+    # the adapter's GEMMs on [tokens, features] (models/common/frozen_linear.py: a 3-D input with
+    # a size-1 batch dimension may otherwise run as a batched product of one-row GEMMs)
+    x2 = as_2d(x)
     if linear.lora_split == "out":  # column parallel: x is the full input (its sequence slice under SP)
-        u = nn.functional.linear(_dropout(linear, x, sp), linear.lora_A)
+        u = nn.functional.linear(_dropout(linear, x2, sp), linear.lora_A)
         if sp:
             u = gather_from_sequence_parallel_region(u, group=group)  # backward: reduce-scatter of B^T dy
         elif tp > 1:
             u = copy_to_tensor_model_parallel_region(u, group=group)  # backward: all-reduce of B^T dy
     else:  # row parallel: x is this rank's input columns; the partial A x is reduced as the base output is
-        u = nn.functional.linear(_dropout(linear, x, tp > 1), linear.lora_A)
+        u = nn.functional.linear(_dropout(linear, x2, tp > 1), linear.lora_A)
         if sp:
             u = reduce_scatter_to_sequence_parallel_region(u, group=group)
         elif tp > 1:
             u = reduce_from_tensor_model_parallel_region(u, group=group)
+    base = output[0] if isinstance(output, tuple) else output  # megatron's linears return (output, bias)
     delta = linear.lora_scale * nn.functional.linear(u, linear.lora_B)
-    if isinstance(output, tuple):  # megatron's linears return (output, bias)
-        return (output[0] + delta.to(output[0].dtype), *output[1:])
-    return output + delta.to(output.dtype)
+    summed = base + delta.view(base.shape).to(base.dtype)
+    return (summed, *output[1:]) if isinstance(output, tuple) else summed
 
 
 def is_adapter_param(name: str) -> bool:
