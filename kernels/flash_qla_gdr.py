@@ -137,7 +137,7 @@ def plan_from_host(cu_host: torch.Tensor, cu_dev: torch.Tensor, heads: int) -> Q
 
 
 class StaticPlan:
-    """A fixed-shape plan for the CUDA graphs' static buffers (models/common/layer_graphs.StaticBatch).
+    """A fixed-shape plan for the CUDA graphs' static buffers (models/performance/layer_graphs.StaticBatch).
 
     ``one_segment``: the row is always one sample of ``seq`` tokens (then ``cu64`` never changes),
     split as FlashQLA would split it. Otherwise unsplit: segments vary, and a split would change

@@ -25,7 +25,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from data.loader import MicroBatchIterator, build_dataset
 from data.prefetch import Prefetcher
 from models import get_model_builder
-from multimodal import checkpointing, multi_tensor, platform
+from multimodal import checkpointing, platform
 from multimodal.config import Config, ConfigError, resolve_sources, validate
 from multimodal.context_parallel import sequence_pad_multiple
 from core.errors import NonFiniteError
@@ -39,7 +39,8 @@ from multimodal.async_saves import AsyncSaves
 from multimodal.observability.metrics import MetricsSink
 from multimodal.nonfinite import NonFiniteGuard, weights_finite
 from multimodal.optimizer import build_optimizer
-from models.common import layer_graphs, wgrad_fusion
+from multimodal.performance import multi_tensor
+from models.performance import layer_graphs, wgrad_fusion
 from multimodal.platform import Runtime, init_distributed, use_deterministic_algorithms
 from core.seeding import seed_everything
 from multimodal.freeze import describe as describe_freeze
@@ -74,7 +75,7 @@ def build_model_and_optimizer(cfg: Config, rt: Runtime, dtype: torch.dtype):
     if cfg.model.lora.rank:  # adapters added and every base weight frozen, before DDP as well
         log.info(apply_lora(model, cfg.model.lora))
     if cfg.train.recompute_modules:
-        from multimodal.recompute import apply_recompute
+        from multimodal.performance.recompute import apply_recompute
 
         apply_recompute(model, cfg.train.recompute_modules)
     ddp_config = DistributedDataParallelConfig(

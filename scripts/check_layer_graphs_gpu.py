@@ -29,7 +29,7 @@ import torch
 
 def check_padded_gdn() -> dict:
     from kernels.gated_delta_rule import FLA_CHUNK_SIZE, GDNVarlen, chunk_gated_delta_rule
-    from models.common.layer_graphs import StaticBatch
+    from models.performance.layer_graphs import StaticBatch
     from models.common.packed_seq import PackedRowParams
 
     lens = [1000, 37, 3000, 2100, 2055]  # 8192 tokens, chunks that end mid-chunk
@@ -66,7 +66,7 @@ def trainer_model_and_batches(config: str, overrides: list[str], micro_batches: 
 
     from data.loader import MicroBatchIterator, build_dataset
     from models import get_model_builder
-    from models.common import layer_graphs, wgrad_fusion
+    from models.performance import layer_graphs, wgrad_fusion
     from multimodal.config import load_config, resolve_sources
     from multimodal.forward_step import to_device
     from multimodal.freeze import freeze
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from megatron.core import parallel_state as ps
 
-    from models.common import layer_graphs
+    from models.performance import layer_graphs
     from multimodal.forward_step import packed_seq_params
 
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}

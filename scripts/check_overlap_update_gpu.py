@@ -33,7 +33,7 @@ DELAY_CYCLES = 40_000_000  # ~20 ms at the H200's ~2 GHz
 
 def _patch(delay: bool, guarded: bool):
     """Hold the update stream back before every update; optionally drop the layers' waits."""
-    from multimodal.overlap_update import UpdateOverlap
+    from multimodal.performance.overlap_update import UpdateOverlap
 
     run, wait = UpdateOverlap.run, UpdateOverlap._wait
 

@@ -32,7 +32,7 @@ def measure(config: str, overrides: list[str], dtype: torch.dtype) -> dict:
     from multimodal.observability.memory import activation_bytes_held
     from multimodal.platform import init_distributed
     from core.seeding import seed_everything
-    from multimodal.recompute import apply_recompute, sweep_choices
+    from multimodal.performance.recompute import apply_recompute, sweep_choices
 
     cfg = load_config(config, [*overrides, "train.cuda_graphs=false"])
     resolve_sources(cfg)

@@ -1,4 +1,4 @@
-"""optimizer.overlap_step (multimodal/overlap_update.py): the flat AdamW step cut into parts in
+"""optimizer.overlap_step (multimodal/performance/overlap_update.py): the flat AdamW step cut into parts in
 forward order, gated by forward pre-hooks. On the CPU there is no second stream, so these check
 the plan, the gating hooks, the kernel's gradient zeroing and the skipped buffer reset, and that
 the parts give the whole step's update bit for bit. The race itself (the update on its own CUDA
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from multimodal import overlap_update
+from multimodal.performance import overlap_update
 from multimodal.config import ConfigError, load_config, validate
 from proxy_fixtures import forward, packed_rows, proxy_model
 from test_flat_adamw import _megatron_optimizer
