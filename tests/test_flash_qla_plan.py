@@ -1,6 +1,6 @@
 """The host-side planning around FlashQLA (kernels/flash_qla_gdr.py): the chunk tables and the
 intra-card split it is handed. The kernels themselves need an SM90 GPU:
-scripts/check_gdn_kernels_gpu.py runs them against fla and an fp32 reference."""
+tests/gpu/test_gdn_kernels_gpu.py runs them against fla and an fp32 reference."""
 
 import pytest
 import torch

@@ -4,7 +4,7 @@ A CUDA graph cannot be captured here, so the graphs are replaced by ``EagerStand
 re-runs the captured function at each replay and copies into the same static tensors. All of
 the rest is the real path: metadata padded into static buffers, the replay autograd node,
 parameter gradients (fused into main_grad or not) through DDP's hooks, eager fallbacks.
-scripts/check_layer_graphs_gpu.py runs the same comparison with real graphs on a GPU.
+tests/gpu/test_layer_graphs_gpu.py runs the same comparison with real graphs on a GPU.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Decoder layers as CUDA graphs (train.cuda_graphs) against the eager layers, on a GPU.
 
-    python scripts/check_layer_graphs_gpu.py [--config configs/qwen35_vl_2b.yaml] [key=value ...] [--json OUT]
+    python tests/gpu/test_layer_graphs_gpu.py [--config configs/qwen35_vl_2b.yaml] [key=value ...] [--json OUT]
 
 1. fla's GDN with the graphs' padded metadata (cu_seqlens with empty tail segments, the chunk
    table padded with rows aimed at an always-empty segment) vs the real metadata: outputs and
@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 
@@ -193,6 +194,12 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps(result, indent=1))
     ps.destroy_model_parallel()
     return 0 if result["passed"] else 1
+
+
+@pytest.mark.gpu
+def test_decoder_graphs_match_eager_layers(run_check):
+    """The decoder's CUDA graphs give the eager layers' loss and gradients (2B recipe, one 8K row)."""
+    run_check(__file__)
 
 
 if __name__ == "__main__":
