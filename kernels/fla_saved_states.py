@@ -8,7 +8,7 @@ and ``v_new`` (bf16; at 8K tokens and 16 heads of 128: h 67 MB, w and v_new 34 M
 layer) and the backward starts at fla's first backward kernel.
 
 The calls are fla's own (``fla/ops/gated_delta_rule/chunk.py``), in its order and with its
-arguments, only without the recomputation, so the results are fla's: ``scripts/check_gdn_kernels_gpu.py``
+arguments, only without the recomputation, so the results are fla's: ``tests/gpu/test_gdn_kernels_gpu.py``
 compares them against fla's autograd function and an fp32 PyTorch reference on the GPU.
 Supports what the model uses: no initial or final state, q and k already l2-normalised, beta
 already through its sigmoid, g in log space (fp32), varlen via ``cu_seqlens``/``chunk_indices``.

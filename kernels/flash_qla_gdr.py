@@ -3,7 +3,7 @@ rule's backend: ``model.gdn_backend=flash_qla``.
 
 Why: its forward and backward are a few fused kernels where fla runs a dozen, and it splits long
 sequences into pieces that run side by side ("intra-card CP"), so 16 heads of one 8K sample
-fill more than 16 of the H200's 132 SMs. scripts/check_gdn_kernels_gpu.py measures it against fla.
+fill more than 16 of the H200's 132 SMs. tests/gpu/test_gdn_kernels_gpu.py measures it against fla.
 
 What we add around it: FlashQLA decides the split by reading ``cu_seqlens`` on the host (a sync
 per micro-batch) and rebuilds its chunk tables on the device. Here the trainer builds the whole
@@ -137,7 +137,7 @@ def plan_from_host(cu_host: torch.Tensor, cu_dev: torch.Tensor, heads: int) -> Q
 
 
 class StaticPlan:
-    """A fixed-shape plan for the CUDA graphs' static buffers (models/common/layer_graphs.StaticBatch).
+    """A fixed-shape plan for the CUDA graphs' static buffers (models/performance/layer_graphs.StaticBatch).
 
     ``one_segment``: the row is always one sample of ``seq`` tokens (then ``cu64`` never changes),
     split as FlashQLA would split it. Otherwise unsplit: segments vary, and a split would change

@@ -6,7 +6,7 @@ its bf16 model parameter (602 more launches, which read the 4-byte main paramete
 H200 the two took 21.0 + 3.9 ms of a 0.215 s 2B step, AdamW at ~3 TB/s of the ~4.2 TB/s a copy
 reaches. Here the fp32 main parameters, both moments and the bf16 model parameters live in flat
 buffers laid out like megatron's gradient buffer, so one kernel per parameter group reads
-param, grad, m, v once and writes param, m, v and the bf16 copy once (multimodal/flat_adamw_patch.py
+param, grad, m, v once and writes param, m, v and the bf16 copy once (multimodal/performance/flat_adamw_patch.py
 does the layout and the wiring into megatron's optimizer).
 
 The work list is a table of chunks (start, state start, length), at most ``CHUNK`` elements each,
@@ -17,7 +17,7 @@ moments at ``state start``, which is the same index unless they hold only this r
 the buffer (megatron's distributed optimizer), packed densely.
 
 Update (decoupled weight decay, as torch.optim.AdamW and its fused kernel):
-    g = grad / grad_scale                      (grad_scale: optional device scalar, multimodal/multi_tensor.py)
+    g = grad / grad_scale                      (grad_scale: optional device scalar, multimodal/performance/multi_tensor.py)
     p = p - lr * wd * p
     m = beta1 * m + (1 - beta1) * g
     v = beta2 * v + (1 - beta2) * g * g
@@ -51,7 +51,7 @@ def chunk_table(segments, device, chunk: int = CHUNK) -> tuple[torch.Tensor, tor
     """(starts int64, state_starts int64, lengths int32) covering each segment with chunks of <=
     ``chunk`` elements. A segment is (start, numel), or (start, state_start, numel) when the
     parameters and moments are packed differently from the gradients and output (a data-parallel
-    shard of the gradient buffer, multimodal/flat_adamw_patch.py)."""
+    shard of the gradient buffer, multimodal/performance/flat_adamw_patch.py)."""
     starts, state_starts, lengths = [], [], []
     for seg in segments:
         start, state_start, numel = seg if len(seg) == 3 else (seg[0], seg[0], seg[1])
@@ -154,7 +154,7 @@ def flat_adamw(param, grad, exp_avg, exp_avg_sq, out, starts, state_starts, leng
     flat, at ``starts``); writes the new parameters to ``out`` (flat, any float dtype, at
     ``starts``) unless it is None. ``grad_scale``:
     None or a one-element device tensor the gradients are divided by. ``zero_grad``: write zeros over
-    the gradients read (multimodal/overlap_update.py: the step then needs no separate zeroing pass,
+    the gradients read (multimodal/performance/overlap_update.py: the step then needs no separate zeroing pass,
     which would have to wait for it). ``step``: the step being
     taken, counting from 1. ``chunk`` must be the one the table was built with; ``block`` and
     ``num_warps`` are the launch shape (scripts/bench_adamw.py sweeps them)."""

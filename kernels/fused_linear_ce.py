@@ -36,7 +36,7 @@ the function; the partial ``dh`` of each rank is summed by the caller's region o
 (``copy_to_tensor_model_parallel_region`` / the sequence-parallel all-gather's backward
 reduce-scatter), exactly as for megatron's ColumnParallelLinear output layer.
 
-``weight_grad`` (set by models/common/wgrad_fusion.py with ``model.grad_accum_fusion``):
+``weight_grad`` (set by models/performance/wgrad_fusion.py with ``model.grad_accum_fusion``):
 "main_grad" adds each ``dW`` slice into ``weight.main_grad`` inside its GEMM (fp32
 accumulation, no [V, H] bf16 gradient) and hands autograd the usual placeholder;
 "main_grad_only" does the same and hands autograd nothing, for a weight tied to an embedding

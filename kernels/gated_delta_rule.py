@@ -169,7 +169,7 @@ class GDNVarlen:
     layer) and ``chunk_indices`` from ``chunk_indices_host``. For the flash_qla backend:
     ``cu_host``, the same boundaries on the host, from which ``flash_qla_plan`` builds FlashQLA's
     plan at the first GDN call that wants it (no device read), or ``qla``, a plan given up front
-    for ``qla_heads`` heads (the CUDA graphs' fixed-shape one, models/common/layer_graphs.StaticBatch)."""
+    for ``qla_heads`` heads (the CUDA graphs' fixed-shape one, models/performance/layer_graphs.StaticBatch)."""
 
     cu_seqlens: torch.Tensor
     chunk_indices: torch.Tensor

@@ -5,7 +5,7 @@ Two shapes, both with ``offs`` the int32 end offset of each group (``cumsum(toke
   (the forward and the input gradient of each expert's linear layer);
 - ``a`` [K, N] x ``b`` [N, M] -> [G, K, M]: group g is ``a[:, rows] @ b[rows]`` over its rows
   (the weight gradient). An empty group gives zeros (checked on the GPU by
-  scripts/check_grouped_experts_gpu.py, which fails if torch's kernel ever leaves it unwritten).
+  tests/gpu/test_grouped_experts_gpu.py, which fails if torch's kernel ever leaves it unwritten).
 
 The fast path is torch's grouped GEMM (CUTLASS, one launch for all groups, offsets read on the
 device, so no host sync): CUDA, compute capability >= 9.0, bf16. ``grouped_mm_reference`` is the
@@ -65,5 +65,5 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
         _warn_fallback(reason)
         return grouped_mm_reference(a, b, offs)
     # An empty group of the weight-gradient form comes back as zeros (torch 2.11 on an H200,
-    # scripts/check_grouped_experts_gpu.py: torch_zeroes_empty_wgrad_groups), so no mask pass.
+    # tests/gpu/test_grouped_experts_gpu.py: torch_zeroes_empty_wgrad_groups), so no mask pass.
     return torch._grouped_mm(a, b, offs=offs)

@@ -1,9 +1,9 @@
 """Weight-gradient GEMMs that add into megatron's fp32 ``main_grad`` in place, and the placeholder
 a backward returns once it has done so.
 
-The trainer's weight-gradient fusion (models/common/wgrad_fusion.py, ``model.grad_accum_fusion``)
+The trainer's weight-gradient fusion (models/performance/wgrad_fusion.py, ``model.grad_accum_fusion``)
 hands these to megatron's linear layers; the fused LM head (kernels/fused_linear_ce.py) and the
-CUDA graphs (models/common/layer_graphs.py) call them directly, which is why they sit here,
+CUDA graphs (models/performance/layer_graphs.py) call them directly, which is why they sit here,
 below the model.
 """
 
@@ -45,6 +45,6 @@ def added_to_main_grad(weight: torch.Tensor) -> torch.Tensor:
     Zeros where megatron marked the weight ``zero_out_wgrad`` (a tied embedding whose lookup
     still returns a dense gradient): the hook then adds the sum, and the zeros add nothing."""
     weight.grad_added_to_main_grad = True
-    if getattr(weight, "zero_out_wgrad", False):  # megatron's mark: the hook adds it (models/common/wgrad_fusion.py _enable_vocabulary)
+    if getattr(weight, "zero_out_wgrad", False):  # megatron's mark: the hook adds it (models/performance/wgrad_fusion.py _enable_vocabulary)
         return torch.zeros_like(weight)
     return torch.empty_like(weight)

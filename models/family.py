@@ -49,7 +49,7 @@ class ModelFamily:
       token of one decoder layer of that kind}; ``layout`` has ``tp`` and ``sequence_parallel``.
     - ``vision_bytes_per_patch(m)`` -> bytes of saved activations per image patch in the encoder.
     - ``recompute_mixers()`` -> the token-mixer classes whose blocks ``train.recompute_modules``
-      ``gdn_qkv`` / ``gdn_norm_out`` checkpoint (multimodal/recompute.py). Such a mixer has
+      ``gdn_qkv`` / ``gdn_norm_out`` checkpoint (multimodal/performance/recompute.py). Such a mixer has
       ``in_proj``, ``prepare(hidden, cu_seqlens, varlen)`` and ``norm_out(core, z)``; a family
       without one returns ``()``. Called only when recompute is installed (it may import torch).
     """

@@ -333,7 +333,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         _require(value >= 1, f"{name} must be >= 1, got {value}")
     _require(cfg.checkpoint.interval >= 0, "checkpoint.interval must be >= 0 (0 = only at the end)")
     if t.cuda_graphs:
-        from models.common.layer_graphs import refusal
+        from models.performance.layer_graphs import refusal
 
         why = refusal(cfg)
         _require(why is None, f"train.cuda_graphs: {why}")
@@ -363,7 +363,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         why = check_lora(m.lora)
         _require(why is None, f"model.lora.{why}")
     if t.recompute_modules:
-        from multimodal.recompute import check_modules
+        from multimodal.performance.recompute import check_modules
 
         why = check_modules(t.recompute_modules, p.cp)
         _require(why is None, f"train.recompute_modules: {why}")

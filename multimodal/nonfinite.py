@@ -10,7 +10,7 @@ How, with no host sync per step:
   ``get_grad_norm`` is wrapped to turn it into a device flag, 1.0 when it is not finite.
 - every torch optimizer underneath gets that flag as its ``found_inf`` (AMP's convention): torch's
   fused AdamW/SGD kernels then leave parameters, moments and step counts as they were, and flat
-  AdamW's kernel (multimodal/flat_adamw_patch.py, with or without the overlapped update) does the same.
+  AdamW's kernel (multimodal/performance/flat_adamw_patch.py, with or without the overlapped update) does the same.
   Only a non-fused torch optimizer (optimizer.fused=false) cannot, so there the flag is read on
   the host before its step (one sync per step on that path, said once at start-up).
 - counters stay on the device ([skipped total, skipped in a row, and step, grad norm, loss of the

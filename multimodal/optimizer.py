@@ -1,5 +1,6 @@
 """The optimizer and its learning-rate schedule, built in one place that owns the order of the
-patches laid over megatron's optimizer (each patch's module says what it does and why):
+patches laid over megatron's optimizer (each patch's module, in multimodal/performance/, says
+what it does and why):
 
 1. ``multi_tensor.use_foreach_kernels``: torch's ``_foreach`` kernels where megatron would loop in
    Python without Transformer Engine / Apex (before megatron builds the optimizer);
@@ -19,7 +20,7 @@ from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from multimodal import flat_adamw_patch, multi_tensor, overlap_update
+from multimodal.performance import flat_adamw_patch, multi_tensor, overlap_update
 
 
 def build_optimizer(cfg, model: torch.nn.Module, ddp, dtype: torch.dtype):

@@ -11,7 +11,6 @@ import dataclasses
 import json
 import logging
 import signal
-import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +25,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from data.loader import MicroBatchIterator, build_dataset
 from data.prefetch import Prefetcher
 from models import get_model_builder
-from multimodal import checkpointing, multi_tensor, oom_advice, platform
+from multimodal import checkpointing, platform
 from multimodal.config import Config, ConfigError, resolve_sources, validate
 from multimodal.context_parallel import sequence_pad_multiple
 from core.errors import NonFiniteError
@@ -34,18 +33,21 @@ from multimodal.evaluation import Evaluator
 from multimodal.flops import device_peak_tflops, training_flops
 from multimodal.forward_step import ForwardStep
 from multimodal.loss import masked_token_loss
-from multimodal.memory import MemoryTools
+from multimodal.observability import oom_advice
+from multimodal.observability.memory import MemoryTools
 from multimodal.async_saves import AsyncSaves
-from multimodal.metrics import MetricsSink
+from multimodal.observability.metrics import MetricsSink
 from multimodal.nonfinite import NonFiniteGuard, weights_finite
 from multimodal.optimizer import build_optimizer
-from models.common import layer_graphs, wgrad_fusion
+from multimodal.performance import multi_tensor
+from models.performance import layer_graphs, wgrad_fusion
 from multimodal.platform import Runtime, init_distributed, use_deterministic_algorithms
 from core.seeding import seed_everything
 from multimodal.freeze import describe as describe_freeze
 from multimodal.freeze import freeze
 from multimodal.lora import apply_lora
-from multimodal.profiling import StepProfiler
+from multimodal.observability.profiling import StepProfiler
+from multimodal.observability.step_clock import StepClock
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +75,7 @@ def build_model_and_optimizer(cfg: Config, rt: Runtime, dtype: torch.dtype):
     if cfg.model.lora.rank:  # adapters added and every base weight frozen, before DDP as well
         log.info(apply_lora(model, cfg.model.lora))
     if cfg.train.recompute_modules:
-        from multimodal.recompute import apply_recompute
+        from multimodal.performance.recompute import apply_recompute
 
         apply_recompute(model, cfg.train.recompute_modules)
     ddp_config = DistributedDataParallelConfig(
@@ -287,7 +289,7 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
 
     profiler = StepProfiler(cfg.logging, dist.get_rank(), rt.is_cuda)
     pending: _PendingLog | None = None  # the last log step's numbers, still on the device
-    clock = _StepClock(rt.is_cuda)
+    clock = StepClock(rt.is_cuda)
     overlap = getattr(optimizer, "update_overlap", None)  # the step runs behind the next forward
     guard = NonFiniteGuard(optimizer, t.on_nonfinite, t.max_nonfinite_steps, rt.device)
     guard.last_good = last_good
@@ -411,35 +413,6 @@ class _Window:
             self.flops += training_flops(model_cfg, b["sample_lengths"], grids, b.get("lm_head_tokens"))
 
 
-class _StepClock:
-    """Wall time between log steps without a host sync: on CUDA, events recorded on the stream at
-    the end of each log step (their difference is the stream's own timeline, idle gaps included,
-    i.e. what the steps really took); on the CPU, where every op is synchronous, the host clock.
-    Everything between two marks counts, logging included."""
-
-    def __init__(self, is_cuda: bool):
-        self.is_cuda = is_cuda
-        self.last = self._now()
-
-    def _now(self):
-        if self.is_cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
-
-    def mark(self):
-        """-> (start, end) of the window that ends now."""
-        start, self.last = self.last, self._now()
-        return start, self.last
-
-    def seconds(self, start, end) -> float:
-        if self.is_cuda:
-            end.synchronize()  # this window's end only: later steps stay queued
-            return start.elapsed_time(end) / 1e3
-        return end - start
-
-
 @dataclass
 class _PendingLog:
     """A log step's metrics, read later by ``_emit``: ``values`` is a host buffer that a
@@ -450,12 +423,12 @@ class _PendingLog:
                                   #  the non-finite guard's counters]
     grad_norm: float | None       # when the optimizer gave a host value (else it is in ``values``)
     host: dict                    # lr, CUDA-graph counters, steps in the window
-    window: tuple                 # (start, end) marks of _StepClock
-    clock: _StepClock
+    window: tuple                 # (start, end) marks of StepClock
+    clock: StepClock
     ready: object = None          # CUDA event after the staged copy on the update stream (overlapped only)
 
 
-def _start_log(it, report, grad_norm, scheduler, window: _Window, clock: _StepClock, model, rt: Runtime,
+def _start_log(it, report, grad_norm, scheduler, window: _Window, clock: StepClock, model, rt: Runtime,
                processed_per_step: int, overlap=None, guard_counters=None) -> _PendingLog:
     """Queue this log step's reductions (collectives and norms) on the device; read nothing back."""
     dp_group = ps.get_data_parallel_group()

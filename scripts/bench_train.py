@@ -403,7 +403,7 @@ def recompute_sweep(args, out_dir: str, forced: list[str], rt) -> dict:
     """Ours once per recompute choice (fresh model each time): the memory each module saves."""
     from multimodal.config import load_config
 
-    from multimodal.recompute import sweep_choices
+    from multimodal.performance.recompute import sweep_choices
 
     out = {}
     for mods in sweep_choices(load_config(args.config, args.overrides).model):

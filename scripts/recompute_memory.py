@@ -4,7 +4,7 @@
 
 For each ``train.recompute_modules`` choice (none, each module alone, all): a fresh model, one
 forward of the recipe's first packed micro-batch, and the bytes autograd holds for the backward
-when the forward returns (``multimodal.memory.activation_bytes_held``; parameters excluded).
+when the forward returns (``multimodal.observability.memory.activation_bytes_held``; parameters excluded).
 This is exact for the shapes given and needs no GPU; ``bench_train.py --recompute-sweep``
 measures the CUDA allocator's peak instead, which adds workspaces and fragmentation.
 Decoder activations grow linearly with the tokens and the layers: a CPU can run the real
@@ -29,10 +29,10 @@ def measure(config: str, overrides: list[str], dtype: torch.dtype) -> dict:
     from models import get_model_builder
     from multimodal.config import load_config, resolve_sources
     from multimodal.forward_step import packed_seq_params, to_device
-    from multimodal.memory import activation_bytes_held
+    from multimodal.observability.memory import activation_bytes_held
     from multimodal.platform import init_distributed
     from core.seeding import seed_everything
-    from multimodal.recompute import apply_recompute, sweep_choices
+    from multimodal.performance.recompute import apply_recompute, sweep_choices
 
     cfg = load_config(config, [*overrides, "train.cuda_graphs=false"])
     resolve_sources(cfg)

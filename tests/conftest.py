@@ -1,4 +1,5 @@
-"""Shared fixtures: one gloo process group (world size 1) for in-process model tests."""
+"""Shared fixtures: one gloo process group (world size 1) for in-process model tests; tests marked
+``gpu`` are skipped where there is no CUDA device (tests/gpu/: ``pytest -m gpu tests/gpu`` on a GPU)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,15 @@ def mcore():
     ps.initialize_model_parallel(1, 1)
     yield rt
     ps.destroy_model_parallel()
+
+
+def pytest_collection_modifyitems(config, items):
+    """A ``gpu``-marked test needs a CUDA device: without one it is skipped (``-ra`` counts the skips)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (gpu marker)")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)

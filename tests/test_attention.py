@@ -132,7 +132,7 @@ def test_cudnn_is_not_used_off_cuda_or_in_fp32():
 
 
 def test_graphs_keep_a_one_sample_set_only_where_auto_gives_those_rows_cudnn(monkeypatch):
-    from models.common import layer_graphs
+    from models.performance import layer_graphs
 
     assert not layer_graphs.one_segment_set_wanted("auto", torch.device("cpu"))  # no cuDNN here
     monkeypatch.setattr(attn, "cudnn_device_unavailable", lambda device: None)  # as on an H200

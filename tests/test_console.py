@@ -1,4 +1,4 @@
-"""The quiet console (core/console.py, multimodal/metrics.py): dependency warnings counted in one
+"""The quiet console (core/console.py, multimodal/observability/metrics.py): dependency warnings counted in one
 line instead of printed, our own warnings and errors untouched, no progress-bar redraws in a
 captured log."""
 

@@ -11,7 +11,7 @@ import pytest
 
 from fault_helpers import run_cli
 from multimodal.config import LoggingConfig
-from multimodal.metrics import MetricsSink, drop_rows_after
+from multimodal.observability.metrics import MetricsSink, drop_rows_after
 
 # SIGKILL in the middle of step 6 (its forward/backward done, before its log and save)
 KILL_IN_STEP_6 = """

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fault_helpers import all_finite, checkpoint_tensors, run_cli
-from multimodal.metrics import console_line
+from multimodal.observability.metrics import console_line
 
 pytestmark = pytest.mark.slow
 

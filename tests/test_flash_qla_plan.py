@@ -1,6 +1,6 @@
 """The host-side planning around FlashQLA (kernels/flash_qla_gdr.py): the chunk tables and the
 intra-card split it is handed. The kernels themselves need an SM90 GPU:
-scripts/check_gdn_kernels_gpu.py runs them against fla and an fp32 reference."""
+tests/gpu/test_gdn_kernels_gpu.py runs them against fla and an fp32 reference."""
 
 import pytest
 import torch
@@ -134,7 +134,7 @@ def test_eager_rows_plan_lazily_from_their_host_boundaries_once(monkeypatch):
 
 
 def test_graphs_find_the_flash_qla_head_count_in_the_layers():
-    from models.common.layer_graphs import flash_qla_heads
+    from models.performance.layer_graphs import flash_qla_heads
 
     class GDN(torch.nn.Module):
         def __init__(self, backend):

@@ -1,4 +1,4 @@
-"""Flat AdamW (kernels/flat_adamw.py, multimodal/flat_adamw_patch.py) against torch's AdamW: the Triton
+"""Flat AdamW (kernels/flat_adamw.py, multimodal/performance/flat_adamw_patch.py) against torch's AdamW: the Triton
 kernel (interpreter) and its PyTorch reference on raw buffers, then the layout inside megatron's
 optimizer on the proxy model, a state-dict round trip, and the trainer end to end."""
 
@@ -116,7 +116,7 @@ def _megatron_optimizer(flat: bool, bf16_cuda: bool = False):
     parameters on the GPU with fp32 main parameters (Float16OptimizerWithFloat16Params)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from multimodal import flat_adamw_patch as flat_mod, multi_tensor
+    from multimodal.performance import flat_adamw_patch as flat_mod, multi_tensor
 
     cfg, model = proxy_model()
     if bf16_cuda:
@@ -222,7 +222,7 @@ def test_state_dict_round_trip_rebinds_the_flat_buffers(mcore):
 def test_install_refuses_what_it_does_not_cover(mcore, caplog):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from multimodal import flat_adamw_patch as flat_mod
+    from multimodal.performance import flat_adamw_patch as flat_mod
 
     _, model = proxy_model()
     ddp = wrap_ddp(model)

@@ -4,7 +4,7 @@ the Triton kernels against the references under the Triton interpreter (in a sub
 The interpreter is chosen when a ``@triton.jit`` function is defined, i.e. when the kernel
 module is imported; other test modules import it normally (through the model), so the
 Triton cases run in a fresh process with TRITON_INTERPRET=1, through the same harness the
-GPU check uses (scripts/check_fused_kernels_gpu.py --small).
+GPU check uses (tests/gpu/test_fused_kernels_gpu.py --small).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from kernels import fused_pre_gdr as fp
 from kernels.rotary import inverse_frequencies
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import check_fused_kernels_gpu as harness  # noqa: E402
+sys.path.insert(0, str(ROOT / "tests" / "gpu"))
+import test_fused_kernels_gpu as harness  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- Triton (interpreter)
@@ -35,7 +35,7 @@ def interp_runs():
     """Both interpreter subprocesses, started together (they take most of this file's time)."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     cmds = {
-        "parity": [sys.executable, str(ROOT / "scripts" / "check_fused_kernels_gpu.py"), "--small", "--device", "cpu",
+        "parity": [sys.executable, str(ROOT / "tests" / "gpu" / "test_fused_kernels_gpu.py"), "--small", "--device", "cpu",
                    "--json", "-"],
         "model": [sys.executable, str(ROOT / "tests" / "test_fused_kernels.py"), "model-check"],
     }

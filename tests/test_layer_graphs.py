@@ -1,10 +1,10 @@
-"""CUDA graphs for the decoder layers (models/common/layer_graphs.py), on the CPU.
+"""CUDA graphs for the decoder layers (models/performance/layer_graphs.py), on the CPU.
 
 A CUDA graph cannot be captured here, so the graphs are replaced by ``EagerStandIn``, which
 re-runs the captured function at each replay and copies into the same static tensors. All of
 the rest is the real path: metadata padded into static buffers, the replay autograd node,
 parameter gradients (fused into main_grad or not) through DDP's hooks, eager fallbacks.
-scripts/check_layer_graphs_gpu.py runs the same comparison with real graphs on a GPU.
+tests/gpu/test_layer_graphs_gpu.py runs the same comparison with real graphs on a GPU.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 from proxy_fixtures import PROXY, accumulate, forward, packed_rows, proxy_model, wrap_ddp
 
-from models.common import layer_graphs, wgrad_fusion
+from models.performance import layer_graphs, wgrad_fusion
 from multimodal.config import ConfigError, load_config, validate
 
 

@@ -10,6 +10,12 @@ Layers, lowest first; a module may import its own layer and the layers below, ne
 - ``data/``: data sets and collation; reads the model's input geometry (patchify, MRoPE ids) from models.
 - ``multimodal/``: the trainer (recipe, training loop, checkpoints, tools that load a recipe).
 
+Speed machinery is split across two layers by who imports it: ``models/performance/`` (CUDA graphs,
+weight-gradient fusion, grouped main_grad adds) wraps model layers and is imported by the model
+packages, so it sits in models/; ``multimodal/performance/`` (optimizer patches, recompute) patches
+megatron's optimizer and DDP, which only the trainer owns. What a run reports about itself
+(metrics, step clock, profiler, memory tools) is ``multimodal/observability/``.
+
 Every import counts, at the top of a file or inside a function, ``import a.b`` and
 ``from a import b`` alike, relative ones resolved. Cycles between our modules are refused too,
 function-level imports included: a lazy import that closes a cycle (the two this test was written

@@ -1,8 +1,8 @@
-"""models/common/main_grad_add.py: grouped ``main_grad += grad`` equals one add per parameter."""
+"""models/performance/main_grad_add.py: grouped ``main_grad += grad`` equals one add per parameter."""
 
 import torch
 
-from models.common.main_grad_add import add_into_main_grads, plan_runs
+from models.performance.main_grad_add import add_into_main_grads, plan_runs
 
 
 def _layout(sizes_and_gaps, dtype=torch.float32):

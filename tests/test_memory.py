@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from multimodal import memory
+from multimodal.observability import memory
 from multimodal.config import ConfigError, load_config, validate
-from multimodal.memory import MemoryTools
+from multimodal.observability.memory import MemoryTools
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,7 +38,7 @@ def test_config_keys_are_validated():
 
 
 def test_history_is_a_logged_no_op_without_cuda(tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="multimodal.memory"):
+    with caplog.at_level(logging.INFO, logger="multimodal.observability.memory"):
         tools = MemoryTools(_cfg(tmp_path, memory_history=True), is_cuda=False).start()
     assert sum("no CUDA device" in r.message for r in caplog.records) == 1
     for it in range(1, 5):

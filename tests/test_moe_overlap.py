@@ -165,7 +165,7 @@ def test_plan_matches_plain_forward_and_backward(streams, recompute):
     selective recompute modules that validation allows next to the overlap."""
     cfg, model, batch = _model_and_batch()
     if recompute:
-        from multimodal.recompute import apply_recompute
+        from multimodal.performance.recompute import apply_recompute
 
         assert apply_recompute(model, recompute) > 0
     out_ref, loss_ref, grads_ref = _step(model, batch, cfg, plan=False)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from megatron.core import utils as mutils
 
-from multimodal import multi_tensor
+from multimodal.performance import multi_tensor
 
 
 def _tensors(seed=0):

@@ -1,4 +1,4 @@
-"""An out-of-memory step names the settings that would make the run fit (multimodal/oom_advice.py)."""
+"""An out-of-memory step names the settings that would make the run fit (multimodal/observability/oom_advice.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from multimodal.config import load_config
-from multimodal.oom_advice import TrainingOutOfMemory, advice
+from multimodal.observability.oom_advice import TrainingOutOfMemory, advice
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,15 +1,15 @@
-"""optimizer.overlap_step (multimodal/overlap_update.py): the flat AdamW step cut into parts in
+"""optimizer.overlap_step (multimodal/performance/overlap_update.py): the flat AdamW step cut into parts in
 forward order, gated by forward pre-hooks. On the CPU there is no second stream, so these check
 the plan, the gating hooks, the kernel's gradient zeroing and the skipped buffer reset, and that
 the parts give the whole step's update bit for bit. The race itself (the update on its own CUDA
-stream) is checked on the GPU by scripts/check_overlap_update_gpu.py."""
+stream) is checked on the GPU by tests/gpu/test_overlap_update_gpu.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from multimodal import overlap_update
+from multimodal.performance import overlap_update
 from multimodal.config import ConfigError, load_config, validate
 from proxy_fixtures import forward, packed_rows, proxy_model
 from test_flat_adamw import _megatron_optimizer
@@ -57,7 +57,7 @@ def test_the_update_in_parts_equals_the_whole_update_bit_for_bit(mcore):
     losses = _train_steps(model, ddp, opt, rows)
     overlap.finish()  # on a GPU the update may still run on its stream
     # bit for bit on the CPU; on a GPU the backward's atomics differ run to run (the race check
-    # there is scripts/check_overlap_update_gpu.py)
+    # there is tests/gpu/test_overlap_update_gpu.py)
     tol = dict(rtol=1e-4, atol=1e-6) if torch.cuda.is_available() else dict(rtol=0, atol=0)
     for a, b in zip(losses, ref_losses):
         torch.testing.assert_close(a, b, **tol)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from multimodal.config import ConfigError, load_config, validate
-from multimodal.profiling import categorize, format_summary, summarize_trace
+from multimodal.observability.profiling import categorize, format_summary, summarize_trace
 
 
 def _kernel(name, ts, dur, stream=7):
@@ -157,7 +157,7 @@ def test_kernels_belong_to_the_step_that_launched_them_and_the_warmup_step_is_no
 def test_profiler_traces_one_warmup_step_before_the_profiled_ones(tmp_path):
     from types import SimpleNamespace
 
-    from multimodal.profiling import StepProfiler
+    from multimodal.observability.profiling import StepProfiler
 
     cfg = SimpleNamespace(profile_step=3, profile_num_steps=1, profile_ranks=[0], dir=str(tmp_path),
                           profile_with_stack=False)

@@ -9,8 +9,8 @@ import torch
 from proxy_fixtures import forward, packed_rows, proxy_model
 
 from multimodal.config import ConfigError, load_config, validate
-from multimodal.memory import activation_bytes_held
-from multimodal.recompute import apply_recompute, check_modules
+from multimodal.observability.memory import activation_bytes_held
+from multimodal.performance.recompute import apply_recompute, check_modules
 
 
 def _model_and_batch(path, overrides=()):

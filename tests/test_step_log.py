@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from multimodal.training import _param_norm, _StepClock
+from multimodal.observability.step_clock import StepClock
+from multimodal.training import _param_norm
 
 
 def test_param_norm_is_the_norm_of_every_parameter_in_fp32(mcore):
@@ -32,7 +33,7 @@ def test_param_norm_counts_a_shared_weight_once(mcore):
 
 
 def test_cpu_step_clock_windows_are_consecutive():
-    clock = _StepClock(is_cuda=False)
+    clock = StepClock(is_cuda=False)
     first = clock.mark()
     time.sleep(0.02)
     second = clock.mark()

@@ -1,4 +1,4 @@
-"""Weight-gradient accumulation fusion (models/common/wgrad_fusion.py, its GEMMs in
+"""Weight-gradient accumulation fusion (models/performance/wgrad_fusion.py, its GEMMs in
 kernels/wgrad_accum.py): the GEMM adds into
 main_grad exactly what the unfused backward adds, through megatron's real linear layers."""
 
@@ -9,7 +9,7 @@ import torch
 from proxy_fixtures import accumulate, packed_rows, proxy_model, wrap_ddp
 
 from kernels import wgrad_accum
-from models.common import wgrad_fusion
+from models.performance import wgrad_fusion
 
 
 def test_gemm_accumulates_into_main_grad():

@@ -27,7 +27,7 @@ class PackedRowParams(PackedSeqParams):
     # flat indices (s * B + b over this rank's [S, B] tokens) of the tokens with a nonzero loss
     # mask, for model.sparse_lm_head; None: the LM head runs on every token
     loss_token_index: torch.Tensor | None = None
-    # True for the CUDA graphs' fixed-shape metadata (models/common/layer_graphs.StaticBatch):
+    # True for the CUDA graphs' fixed-shape metadata (models/performance/layer_graphs.StaticBatch):
     # cu_seqlens padded with empty segments, max_seqlen_q the row length (an upper bound)
     static_shape: bool = False
 

@@ -41,7 +41,7 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 
-from models.common.layer_graphs import (WARMUP_ITERS, LayerGraph, Replay, count_eager, failure_summary,
+from models.performance.layer_graphs import (WARMUP_ITERS, LayerGraph, Replay, count_eager, failure_summary,
                                        graph_backward, graph_inputs, record)
 from models.qwen35_vl.vision_geometry import VisionGeometry
 

@@ -1,7 +1,7 @@
 """Parity of the fused kernels against their PyTorch references: forward and every input gradient.
 
-    python scripts/check_fused_kernels_gpu.py             # the full set, on the GPU
-    TRITON_INTERPRET=1 python scripts/check_fused_kernels_gpu.py --small --device cpu --json -
+    python tests/gpu/test_fused_kernels_gpu.py             # the full set, on the GPU
+    TRITON_INTERPRET=1 python tests/gpu/test_fused_kernels_gpu.py --small --device cpu --json -
 
 The reference runs in fp32 on fp32 copies of the inputs (the ground truth); the fused kernel
 runs in the case's dtype. Error = max |fused - ref| / max |ref| per output and per gradient,
@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 # parity compiles many shapes; autotuning each would take minutes and changes no result
@@ -288,6 +289,12 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 1 if failed else 0
+
+
+@pytest.mark.gpu
+def test_fused_kernels_match_their_references(run_check):
+    """Every fused kernel case (forward and every input gradient) within its dtype's tolerance."""
+    run_check(__file__)
 
 
 if __name__ == "__main__":

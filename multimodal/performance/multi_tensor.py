@@ -89,7 +89,7 @@ def use_foreach_kernels() -> bool:
     moptimizer.multi_tensor_scale_impl = _scale
     _INSTALLED = True
     log.info("megatron-core without TransformerEngine/Apex: grad norm, clipping and param copies use "
-             "torch _foreach kernels (multimodal/multi_tensor.py)")
+             "torch _foreach kernels (multimodal/performance/multi_tensor.py)")
     return True
 
 

@@ -43,7 +43,7 @@ from collections import Counter
 import torch
 
 from kernels.gated_delta_rule import FLA_CHUNK_SIZE, GDNVarlen
-from models.common.main_grad_add import add_into_main_grads
+from models.performance.main_grad_add import add_into_main_grads
 from models.common.packed_seq import PackedRowParams, cp_info, segment_boundaries
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from multimodal.recompute import sweep_choices
+from multimodal.performance.recompute import sweep_choices
 
 
 class TrainingOutOfMemory(torch.OutOfMemoryError):

@@ -1,6 +1,6 @@
 """Decoder layers as CUDA graphs (train.cuda_graphs) against the eager layers, on a GPU.
 
-    python scripts/check_layer_graphs_gpu.py [--config configs/qwen35_vl_2b.yaml] [key=value ...] [--json OUT]
+    python tests/gpu/test_layer_graphs_gpu.py [--config configs/qwen35_vl_2b.yaml] [key=value ...] [--json OUT]
 
 1. fla's GDN with the graphs' padded metadata (cu_seqlens with empty tail segments, the chunk
    table padded with rows aimed at an always-empty segment) vs the real metadata: outputs and
@@ -24,12 +24,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 
 def check_padded_gdn() -> dict:
     from kernels.gated_delta_rule import FLA_CHUNK_SIZE, GDNVarlen, chunk_gated_delta_rule
-    from models.common.layer_graphs import StaticBatch
+    from models.performance.layer_graphs import StaticBatch
     from models.common.packed_seq import PackedRowParams
 
     lens = [1000, 37, 3000, 2100, 2055]  # 8192 tokens, chunks that end mid-chunk
@@ -66,7 +67,7 @@ def trainer_model_and_batches(config: str, overrides: list[str], micro_batches: 
 
     from data.loader import MicroBatchIterator, build_dataset
     from models import get_model_builder
-    from models.common import layer_graphs, wgrad_fusion
+    from models.performance import layer_graphs, wgrad_fusion
     from multimodal.config import load_config, resolve_sources
     from multimodal.forward_step import to_device
     from multimodal.freeze import freeze
@@ -109,7 +110,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from megatron.core import parallel_state as ps
 
-    from models.common import layer_graphs
+    from models.performance import layer_graphs
     from multimodal.forward_step import packed_seq_params
 
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -193,6 +194,12 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps(result, indent=1))
     ps.destroy_model_parallel()
     return 0 if result["passed"] else 1
+
+
+@pytest.mark.gpu
+def test_decoder_graphs_match_eager_layers(run_check):
+    """The decoder's CUDA graphs give the eager layers' loss and gradients (2B recipe, one 8K row)."""
+    run_check(__file__)
 
 
 if __name__ == "__main__":

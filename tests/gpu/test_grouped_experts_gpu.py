@@ -3,7 +3,7 @@ their references (bf16, empty experts included), GroupedExperts against megatron
 the time of one forward + backward of each at a real layer's shapes, and the main_grad
 accumulate kernel against torch's add_ (bit-exact, and the bandwidth of each).
 
-    python scripts/check_grouped_experts_gpu.py [--experts 256 --tokens 8192 --topk 8] [--json OUT]
+    python tests/gpu/test_grouped_experts_gpu.py [--experts 256 --tokens 8192 --topk 8] [--json OUT]
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 
+import pytest
 import torch  # noqa: E402
 
 from kernels import fused_swiglu as fs  # noqa: E402
@@ -172,6 +173,12 @@ def main() -> None:
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
     sys.exit(0 if result["ok"] else 1)
+
+
+@pytest.mark.gpu
+def test_grouped_experts_match_their_references(run_check):
+    """Grouped GEMM, weighted SwiGLU, GroupedExperts vs SequentialMLP and the main_grad accumulate kernel."""
+    run_check(__file__)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The gated delta rule's GPU implementations against an fp32 PyTorch reference, and their speed.
 
-    python scripts/check_gdn_kernels_gpu.py [--json OUT] [--iters 20]
+    python tests/gpu/test_gdn_kernels_gpu.py [--json OUT] [--iters 20]
 
 Implementations (each where it imports):
 - ``fla``: flash-linear-attention's ``chunk_gated_delta_rule`` (what ``model.gdn_save_states=false`` runs);
@@ -29,6 +29,7 @@ import json
 import statistics
 from pathlib import Path
 
+import pytest
 import torch
 
 
@@ -204,6 +205,12 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0 if ok else 1
+
+
+@pytest.mark.gpu
+def test_gated_delta_rule_implementations_match_the_fp32_reference(run_check):
+    """Every GDN implementation that imports here within tolerance of the fp32 reference; fla_saved equals fla bit for bit."""
+    run_check(__file__)
 
 
 if __name__ == "__main__":

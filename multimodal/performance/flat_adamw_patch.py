@@ -19,7 +19,7 @@ step (or a load), as torch does, so the first step's transients do not stack on 
 Wiring (``use_flat_adamw``), once, after megatron builds its optimizer and before the first step (so
 before CUDA graphs capture the parameters' addresses):
 - torch's AdamW ``step`` is replaced by ``FlatAdamW.step``. It honours ``grad_scale`` (the deferred
-  1/tokens x clip factor of multimodal/multi_tensor.py) as torch's fused kernel does, without
+  1/tokens x clip factor of multimodal/performance/multi_tensor.py) as torch's fused kernel does, without
   writing the unscaled gradient back.
 - megatron's ``_copy_main_params_to_model_params`` is skipped right after a flat step (the kernel
   wrote the model parameters); called at any other time (checkpoint loading), it copies.
@@ -88,7 +88,7 @@ class FlatAdamW:
         self.use_kernel = use_kernel
         self.params = params
         self.sharded = sharded
-        self.overlap = None  # multimodal/overlap_update.py: the step runs behind the next forward
+        self.overlap = None  # multimodal/performance/overlap_update.py: the step runs behind the next forward
         self.model_params_fresh = False
         self.skip = None  # the found_inf flag of the step being taken (see step)
         device = params[0].main.device

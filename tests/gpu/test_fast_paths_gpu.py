@@ -6,7 +6,7 @@ Builds a recipe's model on CUDA, runs the same packed mock batch with
 and prints one JSON line per comparison (max abs diff of per-token loss, max relative
 grad-norm diff over parameters). Exit code 1 if a difference exceeds the tolerance.
 
-    python scripts/check_gpu_paths.py --config configs/qwen35_vl_proxy.yaml [--dtype bf16]
+    python tests/gpu/test_fast_paths_gpu.py --config configs/qwen35_vl_proxy.yaml [--dtype bf16]
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 
@@ -27,6 +29,13 @@ from multimodal.config import load_config  # noqa: E402
 from multimodal.forward_step import packed_seq_params, to_device  # noqa: E402
 from multimodal.platform import init_distributed  # noqa: E402
 from core.seeding import seed_everything  # noqa: E402
+
+RESULTS: list[dict] = []  # every comparison's line, for --json
+
+
+def _emit(row: dict) -> None:
+    RESULTS.append(row)
+    print(json.dumps(row))
 
 
 def run(model, batch):
@@ -52,8 +61,8 @@ def compare(name, a, b, tol_loss, tol_grad):
     rel = max(rels.values())
     ok = loss_diff <= tol_loss and rel <= tol_grad
     worst = sorted(rels, key=rels.get, reverse=True)[:3]
-    print(json.dumps({"check": name, "max_abs_loss_diff": loss_diff, "global_rel_grad_diff": diff / total,
-                      "max_rel_grad_diff": rel, "ok": ok, "worst": {k: [rels[k], norms[k]] for k in worst}}))
+    _emit({"check": name, "max_abs_loss_diff": loss_diff, "global_rel_grad_diff": diff / total,
+           "max_rel_grad_diff": rel, "ok": ok, "worst": {k: [rels[k], norms[k]] for k in worst}})
     return ok
 
 
@@ -102,7 +111,7 @@ def _report(name, outs, names) -> bool:
     out_rel = ((y - ref_y).norm() / ref_y.norm()).item()
     rels = {n: ((a - b).norm() / (b.norm() + 1e-12)).item() for n, a, b in zip(names, grads, ref_g)}
     ok = out_rel < 2e-2 and max(rels.values()) < 5e-2
-    print(json.dumps({"check": name, "out_rel_diff": out_rel, "grad_rel_diff": rels, "ok": ok}))
+    _emit({"check": name, "out_rel_diff": out_rel, "grad_rel_diff": rels, "ok": ok})
     return ok
 
 
@@ -111,6 +120,7 @@ def main() -> int:
     ap.add_argument("--config", default="configs/qwen35_vl_proxy.yaml")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--ops-only", action="store_true", help="only the op-level comparisons")
+    ap.add_argument("--json", help="write every comparison as a JSON list here")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -125,7 +135,7 @@ def main() -> int:
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     ok = check_ops(dtype, rt.device)
     if args.ops_only:
-        return 0 if ok else 1
+        return _finish(ok, args.json)
     model = get_model_builder(cfg.model.name)(cfg.model, cfg.parallel, dtype)
     model.to(rt.device)
     m = cfg.model
@@ -154,7 +164,19 @@ def main() -> int:
             g.kernel_backend = "torch"
         CoreAttention.backend = "varlen"
         ok &= compare("attention varlen vs sdpa", run(model, batch), reference, tol_loss, tol_grad)
+    return _finish(ok, args.json)
+
+
+def _finish(ok: bool, json_path: str | None) -> int:
+    if json_path:
+        Path(json_path).write_text(json.dumps(RESULTS, indent=1))
     return 0 if ok else 1
+
+
+@pytest.mark.gpu
+def test_fast_kernel_paths_give_the_reference_loss_and_gradients(run_check):
+    """fla GDN and varlen attention give the PyTorch references' loss and gradients (proxy recipe)."""
+    run_check(__file__)
 
 
 if __name__ == "__main__":

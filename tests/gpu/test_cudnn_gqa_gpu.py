@@ -1,7 +1,7 @@
 """cuDNN attention with grouped k/v heads handed over as they are vs repeated (the earlier path),
 on a GPU: forward and input gradients, and the time of each.
 
-    python scripts/check_cudnn_gqa_gpu.py [--tokens 8192 --q-heads 8 --kv-heads 2 --head-dim 256]
+    python tests/gpu/test_cudnn_gqa_gpu.py [--tokens 8192 --q-heads 8 --kv-heads 2 --head-dim 256]
 
 Both runs are bf16 cuDNN; the reference is the fp32 SDPA math path on fp32 copies. Prints the
 worst relative error of each against it (the grouped path must be no worse than the repeated
@@ -11,8 +11,11 @@ one, x1.5) and exits 1 otherwise, or if cuDNN refused the grouped heads.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 
@@ -47,6 +50,7 @@ def main() -> None:
     ap.add_argument("--q-heads", type=int, default=8)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=256)
+    ap.add_argument("--json", help="write the errors and the verdict as JSON here")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
@@ -70,7 +74,16 @@ def main() -> None:
     worse = [i for i in range(4) if rows["grouped"][i] > 1.5 * rows["repeated"][i] + 1e-6]
     print("cuDNN refused the grouped heads" if refused else
           "PASS" if not worse else f"FAILED: grouped is worse in {worse}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rel_err_out_dq_dk_dv": rows,
+                                               "cudnn_refused_grouped": refused, "passed": not (refused or worse)}, indent=1))
     sys.exit(1 if refused or worse else 0)
+
+
+@pytest.mark.gpu
+def test_cudnn_grouped_kv_heads_are_no_worse_than_repeated(run_check):
+    """cuDNN takes the grouped k/v heads and is no less exact than with them repeated."""
+    run_check(__file__)
 
 
 if __name__ == "__main__":

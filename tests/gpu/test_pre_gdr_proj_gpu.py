@@ -3,14 +3,17 @@ gradient tensor out) against the path on ``torch.split`` views (autograd then ca
 db, da), on a GPU at the 2B shapes: every output and gradient must be bit-identical (the same
 kernels), and both are timed forward+backward.
 
-    python scripts/check_pre_gdr_proj_gpu.py [--tokens 8192]
+    python tests/gpu/test_pre_gdr_proj_gpu.py [--tokens 8192]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 
@@ -47,13 +50,14 @@ def timed(path, *args) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--json", help="write each case's result as JSON here")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev, S = torch.device("cuda"), args.tokens
     nk, nv, K, V = 16, 16, 128, 128
     C = 2 * nk * K + nv * V
     D = C + nv * V + 2 * nv
-    ok = True
+    ok, cases = True, {}
     for name, B, cu in (("one row of 3 samples", 1, torch.tensor([0, 3000, 3001, S], dtype=torch.int32, device=dev)),
                         ("dense, 2 rows", 2, None)):
         proj = torch.randn(S, B, D, device=dev, dtype=torch.bfloat16)
@@ -67,10 +71,20 @@ def main() -> None:
         same = [torch.equal(x, y) for x, y in zip(a, b)]
         ok &= all(same)
         t_split, t_proj = (timed(p, proj, w, a_log, dt, cu, dims, cot) for p in ("split", "proj"))
+        cases[name] = {"bit_identical": f"{sum(same)}/{len(same)}", "split_ms": t_split, "whole_projection_ms": t_proj}
         print(f"{name}: bit-identical outputs+grads {sum(same)}/{len(same)}; fwd+bwd (incl. the test loss) "
               f"split {t_split:.3f} ms, whole projection {t_proj:.3f} ms")
     print("PASS" if ok else "FAILED")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "cases": cases, "passed": ok},
+                                              indent=1))
     sys.exit(0 if ok else 1)
+
+
+@pytest.mark.gpu
+def test_pre_gdr_from_the_whole_projection_is_bit_identical(run_check):
+    """The pre-GDR kernel reading the whole projection equals the split path bit for bit."""
+    run_check(__file__)
 
 
 if __name__ == "__main__":

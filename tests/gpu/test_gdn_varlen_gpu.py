@@ -1,6 +1,6 @@
 """flash-linear-attention's GDN with the trainer's precomputed varlen table vs fla building it itself.
 
-    python scripts/check_gdn_varlen_gpu.py [--json OUT]
+    python tests/gpu/test_gdn_varlen_gpu.py [--json OUT]
 
 Same inputs (bf16, the 2B recipe's 16 value heads of 128, an 8K packed row of several samples),
 both ways: the outputs and every input gradient must be bit-identical (the kernels are the same,
@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 
@@ -83,6 +84,12 @@ def main(argv=None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"device": torch.cuda.get_device_name(), "cases": results}, indent=1))
     return 1 if failed else 0
+
+
+@pytest.mark.gpu
+def test_precomputed_varlen_table_is_bit_identical_to_fla_building_it(run_check):
+    """The trainer's precomputed chunk table gives fla's own outputs and gradients bit for bit."""
+    run_check(__file__)
 
 
 if __name__ == "__main__":

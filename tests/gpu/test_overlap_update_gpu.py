@@ -1,7 +1,7 @@
 """optimizer.overlap_step against the step in place, on a GPU: does any kernel read a parameter
 (or accumulate a gradient) before the update on the second stream has written it?
 
-    python scripts/check_overlap_update_gpu.py [--config configs/qwen35_vl_proxy.yaml] [--steps 6] [--json OUT]
+    python tests/gpu/test_overlap_update_gpu.py [--config configs/qwen35_vl_proxy.yaml] [--steps 6] [--json OUT]
 
 Each variant trains the same model on the same mock batches in this process (flat AdamW's
 kernel, metrics every step, so the log steps' parameter norm also runs behind the update):
@@ -25,6 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 
 
@@ -33,7 +34,7 @@ DELAY_CYCLES = 40_000_000  # ~20 ms at the H200's ~2 GHz
 
 def _patch(delay: bool, guarded: bool):
     """Hold the update stream back before every update; optionally drop the layers' waits."""
-    from multimodal.overlap_update import UpdateOverlap
+    from multimodal.performance.overlap_update import UpdateOverlap
 
     run, wait = UpdateOverlap.run, UpdateOverlap._wait
 
@@ -92,7 +93,7 @@ def main() -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not torch.cuda.is_available():
-        print("check_overlap_update_gpu: needs a GPU (the overlap is a second CUDA stream)", file=sys.stderr)
+        print("test_overlap_update_gpu: needs a GPU (the overlap is a second CUDA stream)", file=sys.stderr)
         return 2
     base = list(args.overrides)
     known = {
@@ -141,6 +142,12 @@ def run_suite(name: str, config: str, overrides: list[str], steps: int, unguarde
           + (f", unguarded (delayed) {suite['unguarded_delayed']:.2e}" if "unguarded_delayed" in suite else "")
           + f" -> {'PASS' if passed else 'FAIL'}", flush=True)
     return suite
+
+
+@pytest.mark.gpu
+def test_overlapped_update_matches_the_plain_step(run_check):
+    """The overlapped update trains like the plain step, and the delayed unguarded run shows the race it guards."""
+    run_check(__file__)
 
 
 if __name__ == "__main__":
