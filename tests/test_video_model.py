@@ -5,6 +5,7 @@ image and a video scattered at their own placeholders, MRoPE from ``get_rope_ind
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from hf_fixtures import make_hf_checkpoint  # tests/ is on sys.path (conftest)
@@ -64,3 +65,72 @@ def test_video_through_the_model_equals_transformers(tmp_path, mcore):
         logits = ours(input_ids, pos[:, None], pixel_values=torch.cat([img, vid]),
                       image_grid_thw=torch.cat([img_grid, vid_grid]))
     assert (logits - out.logits).abs().max().item() <= 1e-4
+
+
+def _write_set(out, n: int, seed: int):
+    """n records: a photo (red or blue) and a short clip (a square moving left or right), asked
+    about in two turns; the answers depend on what the image and the video show."""
+    import json
+
+    import av
+    import numpy as np
+    from PIL import Image
+
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    records = []
+    for i in range(n):
+        colour, right = rng.integers(0, 2), rng.integers(0, 2)
+        photo = np.zeros((32, 48, 3), np.uint8)
+        photo[..., 0 if colour else 2] = 220
+        Image.fromarray(photo).save(out / f"{i}.png")
+        with av.open(str(out / f"{i}.mp4"), "w", format="mp4") as c:
+            s = c.add_stream("mpeg4", rate=4)
+            s.width, s.height, s.pix_fmt = 64, 64, "yuv420p"
+            for k in range(8):
+                a = np.zeros((64, 64, 3), np.uint8)
+                x = 4 + 6 * k if right else 44 - 6 * k
+                a[20:36, x:x + 16] = 255
+                for p in s.encode(av.VideoFrame.from_ndarray(a, format="rgb24")):
+                    c.mux(p)
+            for p in s.encode():
+                c.mux(p)
+        records.append({"messages": [
+            {"role": "user", "content": [{"type": "image", "image": f"{i}.png"}, {"type": "text", "text": "Colour?"}]},
+            {"role": "assistant", "content": "Red." if colour else "Blue."},
+            {"role": "user", "content": [{"type": "video", "video": f"{i}.mp4"}, {"type": "text", "text": "Where to?"}]},
+            {"role": "assistant", "content": "The square moves right." if right else "The square moves left."}]})
+    path = out / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.mark.slow
+def test_proxy_trains_on_images_and_a_short_video(tmp_path):
+    """pretrain_multimodal.py on the proxy with conversations of an image and a video: the
+    validation loss on held-out records falls."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from data.tiny_tokenizer import build_tiny_tokenizer
+
+    root = Path(__file__).resolve().parents[1]
+    build_tiny_tokenizer(tmp_path / "tok")
+    train, valid = _write_set(tmp_path / "train", 24, seed=0), _write_set(tmp_path / "valid", 6, seed=1)
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    proc = subprocess.run(
+        [sys.executable, "pretrain_multimodal.py", "--config", "configs/qwen35_vl_proxy.yaml",
+         "data.name=conversations", f"data.path={train}", f"data.valid_path={valid}", f"data.tokenizer={tmp_path / 'tok'}",
+         "data.min_pixels=1024", "data.max_pixels=16384", "data.video_max_pixels=16384", "train.seq_length=256", "train.iters=6",
+         "train.eval_interval=3", "train.eval_iters=2", "checkpoint.dir=null", f"logging.dir={tmp_path / 'log'}",
+         "logging.progress_bar=false"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(x) for x in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    val = [r["val_loss"] for r in rows if "val_loss" in r]
+    assert len(val) == 2 and val[1] < val[0], rows
