@@ -262,3 +262,30 @@ def test_bad_videos_are_skipped_counted_and_logged(tmp_path, tok, caplog):
         assert [ds[i] for i in range(len(records))] == [None] * len(records)
     assert dict(ds.skipped) == {"missing_video": 2, "bad_video": 2}
     assert "record 1 skipped (bad_video)" in caplog.text and "needs at least 2 frames" in caplog.text
+
+
+def test_context_parallel_routes_video_features_to_their_tokens(tmp_path, tok):
+    """Under CP every rank finds, for each of its image and video tokens, its row of the features of
+    all images and videos (in sequence order); with cp_split_vision a video is encoded whole by one rank."""
+    from data.collate import pack_thd
+    from multimodal.context_parallel import partition_batch
+
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in write_video_set(tmp_path)))
+    ds = dataset(path, tok)
+    vision_ids = ModelConfig(**special_token_ids(tok)).vision_token_ids
+    seq = 8 * -(-sum(len(ds[i]["input_ids"]) + 8 for i in range(3)) // 8)
+    b = pack_thd([ds[i] for i in range(3)], seq, 0, vision_ids, M, pad_multiple=8)
+    is_vision = (b["tokens"] == vision_ids[0]) | (b["tokens"] == vision_ids[1])
+    full = torch.full(b["tokens"].shape, -1)
+    full[is_vision] = torch.arange(int(is_vision.sum()))
+    got, encoded = torch.full(b["tokens"].shape, -1), []
+    for r in range(4):
+        part = partition_batch(b, 4, r, vision_ids, split_vision=True, merge=M)
+        local = (part["tokens"] == vision_ids[0]) | (part["tokens"] == vision_ids[1])
+        values = torch.full(part["tokens"].shape, -1)
+        values[local] = part["image_feature_index"]
+        got[:, part["cp_gather_order"][r * (seq // 4):(r + 1) * (seq // 4)]] = values
+        encoded += part["vision_images"]
+    assert torch.equal(got, full)
+    assert sorted(encoded) == list(range(b["image_grid_thw"].shape[0]))
