@@ -568,7 +568,27 @@ def resolve_sources(cfg: Config) -> Config:
         for key, value in special_token_ids(load_tokenizer(cfg.data)).items():
             setattr(cfg.model, key, value)
         _read_image_processor(cfg)
+        _read_video_processor(cfg)
     return cfg
+
+
+def _read_video_processor(cfg: Config) -> None:
+    """A checkpoint's video_preprocessor_config.json (beside the tokenizer): its sampling rate, frame
+    range and per-video pixel range, for the data.video_* keys the recipe left at their defaults."""
+    path = Path(cfg.data.tokenizer) / "video_preprocessor_config.json"
+    if not path.is_file():
+        return
+    import json
+
+    pre = json.loads(path.read_text())
+    size = pre.get("size") if isinstance(pre.get("size"), dict) else {}
+    found = {"video_fps": pre.get("fps"), "video_min_frames": pre.get("min_frames"),
+             "video_max_frames": pre.get("max_frames"), "video_min_pixels": size.get("shortest_edge"),
+             "video_max_pixels": size.get("longest_edge")}
+    defaults = DataConfig()
+    for key, value in found.items():
+        if value is not None and getattr(cfg.data, key) == getattr(defaults, key):
+            setattr(cfg.data, key, type(getattr(defaults, key))(value))
 
 
 def _read_image_processor(cfg: Config) -> None:

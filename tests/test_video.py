@@ -289,3 +289,17 @@ def test_context_parallel_routes_video_features_to_their_tokens(tmp_path, tok):
         encoded += part["vision_images"]
     assert torch.equal(got, full)
     assert sorted(encoded) == list(range(b["image_grid_thw"].shape[0]))
+
+
+def test_video_settings_come_from_the_checkpoints_video_preprocessor_config(tmp_path):
+    """A video_preprocessor_config.json beside the tokenizer sets the data.video_* keys left at their
+    defaults; a value given on the command line wins."""
+    from multimodal.config import load_config, resolve_sources
+
+    build_tiny_tokenizer(tmp_path)
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(
+        {"fps": 1, "min_frames": 2, "max_frames": 64, "size": {"shortest_edge": 8192, "longest_edge": 1_000_000},
+         "video_processor_type": "Qwen3VLVideoProcessor"}))
+    d = resolve_sources(load_config(None, [f"data.tokenizer={tmp_path}", "data.video_max_frames=32"])).data
+    assert (d.video_fps, d.video_min_frames, d.video_max_frames, d.video_min_pixels, d.video_max_pixels) == \
+           (1.0, 2, 32, 8192, 1_000_000)
