@@ -15,7 +15,8 @@ parquet files), one record at a time (``data/record_sources.py``), in two forms:
     {"image": IMAGE | [IMAGE, ...], "system": "..." (optional),
      "conversations": [{"from": "human" | "gpt" | "system", "value": "<image>\\nWhat is this?"}, ...]}
 
-  each ``<image>`` in a value is the next image of the record, in order.
+  each ``<image>`` in a value is the next image of the record, in order; each ``<video>`` the next
+  of ``"video": VIDEO`` / ``"videos": [VIDEO, ...]``.
 
 ``IMAGE`` is a path (relative to ``data.image_root``, default the data file's folder or the
 datasets folder; ``file://`` allowed), embedded bytes as a ``data:image/...;base64,...`` URL, raw
@@ -29,6 +30,7 @@ template renders it (``data/chat.py``) and every assistant turn is supervised.
 A bad record is skipped, counted in ``self.skipped`` by reason and logged with its index, as in
 ``data/cord_v2.py``: ``bad_json``, ``bad_record`` (not one of the forms), ``unknown_role``,
 ``missing_image``, ``bad_image``, ``missing_video``, ``bad_video``, ``image_count_mismatch`` (``<image>`` tags vs images),
+``video_count_mismatch``,
 ``empty_answer``, ``too_long`` (more than ``train.seq_length`` tokens; never cut, since a cut
 conversation would teach a half answer).
 """
@@ -38,6 +40,7 @@ from __future__ import annotations
 import base64
 import collections
 import logging
+import re
 from pathlib import Path
 
 import torch
@@ -52,18 +55,24 @@ from models.qwen35_vl.mrope import mrope_position_ids, split_video_grids
 log = logging.getLogger(__name__)
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-IMAGE_TAG = "<image>"
+IMAGE_TAG, VIDEO_TAG = "<image>", "<video>"
+_TAGS = re.compile(f"({IMAGE_TAG}|{VIDEO_TAG})")
 
 
 def sharegpt_to_messages(record: dict) -> tuple[list[dict], list]:
-    """A LLaVA/ShareGPT record -> (chat messages with image parts, its images in order)."""
+    """A LLaVA/ShareGPT record -> (chat messages with image and video parts, its images in order).
+
+    Each ``<image>`` tag takes the next of ``image``/``images``; each ``<video>`` tag the next of
+    ``video`` (one video: a file, or a list of frames) / ``videos`` (a list of them)."""
     images = record.get("image") if record.get("image") is not None else record.get("images")
     images = [images] if isinstance(images, (str, bytes, dict)) else list(images or [])
+    videos = [record["video"]] if record.get("video") is not None else list(record.get("videos") or [])
     turns = record["conversations"]
     if not isinstance(turns, list):
         raise SkipSample("bad_record", "conversations is not a list")
     messages = [{"role": "system", "content": record["system"]}] if isinstance(record.get("system"), str) else []
-    n_tags = 0
+    media = {IMAGE_TAG: ("image", images), VIDEO_TAG: ("video", videos)}
+    used = {IMAGE_TAG: 0, VIDEO_TAG: 0}
     for i, turn in enumerate(turns):
         role = SHAREGPT_ROLES.get(turn.get("from") if isinstance(turn, dict) else None)
         if role is None:
@@ -71,17 +80,20 @@ def sharegpt_to_messages(record: dict) -> tuple[list[dict], list]:
         value = turn.get("value")
         if not isinstance(value, str):
             raise SkipSample("bad_record", f"turn {i} has no string value")
-        pieces = value.split(IMAGE_TAG)
+        pieces = _TAGS.split(value)  # text, tag, text, tag, ..., text
         parts = []
         for j, piece in enumerate(pieces):
-            if j:
-                parts.append({"type": "image", "image": images[n_tags] if n_tags < len(images) else None})
-                n_tags += 1
-            if piece:
+            if j % 2:
+                kind, sources = media[piece]
+                k = used[piece]
+                parts.append({"type": kind, kind: sources[k] if k < len(sources) else None})
+                used[piece] += 1
+            elif piece:
                 parts.append({"type": "text", "text": piece})
-        messages.append({"role": role, "content": parts if n_tags or len(pieces) > 1 else value})
-    if n_tags != len(images):
-        raise SkipSample("image_count_mismatch", f"{n_tags} {IMAGE_TAG} tag(s) but {len(images)} image(s)")
+        messages.append({"role": role, "content": parts if any(used.values()) else value})
+    for tag, (kind, sources) in media.items():
+        if used[tag] != len(sources):
+            raise SkipSample(f"{kind}_count_mismatch", f"{used[tag]} {tag} tag(s) but {len(sources)} {kind}(s)")
     return messages, images
 
 

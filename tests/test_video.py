@@ -303,3 +303,21 @@ def test_video_settings_come_from_the_checkpoints_video_preprocessor_config(tmp_
     d = resolve_sources(load_config(None, [f"data.tokenizer={tmp_path}", "data.video_max_frames=32"])).data
     assert (d.video_fps, d.video_min_frames, d.video_max_frames, d.video_min_pixels, d.video_max_pixels) == \
            (1.0, 2, 32, 8192, 1_000_000)
+
+
+def test_sharegpt_video_tags_equal_the_chat_form(tmp_path, tok, caplog):
+    """``<video>`` tags take the record's ``video``/``videos`` in order, like ``<image>`` its images."""
+    chat = write_video_set(tmp_path)[1]
+    share = {"system": "Be brief.", "image": "photo.png", "videos": ["clip2.mp4"], "conversations": [
+        {"from": "human", "value": "<image>What is this?"}, {"from": "gpt", "value": "Noise."},
+        {"from": "human", "value": "And this clip?\n<video>"}, {"from": "gpt", "value": "A square moving right."}]}
+    extra = dict(share, conversations=share["conversations"][:2])  # a video without its tag
+    path = tmp_path / "both.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in (chat, share, extra)))
+    ds = dataset(path, tok)
+    a, b = ds[0], ds[1]
+    for key in ("input_ids", "loss_mask", "position_ids", "pixel_values", "image_grid_thw", "video_grid_thw"):
+        assert torch.equal(a[key], b[key]), key
+    with caplog.at_level(logging.WARNING):
+        assert ds[2] is None
+    assert dict(ds.skipped) == {"video_count_mismatch": 1} and "0 <video> tag(s) but 1 video(s)" in caplog.text
