@@ -147,7 +147,8 @@ def video_expansion(tokenizer, timestamps: list[float], tokens_per_group: int, s
 
 
 def encode_conversation(tokenizer, messages: list[dict], image_token_counts: list[int],
-                        special_ids: dict[str, int], videos: list[tuple[list[float], int]] = ()) -> tuple[list[int], list[float]]:
+                        special_ids: dict[str, int],
+                        videos: list[tuple[list[float], int]] = ()) -> tuple[list[int], list[float]]:
     """Token ids and shifted loss mask of a conversation (see the module docstring).
 
     ``messages``: ``[{"role": ..., "content": str | [{"type": "image"} | {"type": "video"} |

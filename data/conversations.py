@@ -153,7 +153,7 @@ class ConversationsDataset(torch.utils.data.Dataset):
         """Chat messages (images and videos as bare parts) and their sources in order, as
         ("image" | "video", source) pairs."""
         if "messages" in record:
-            messages, images = [], []
+            messages = []
             if not isinstance(record["messages"], list):
                 raise SkipSample("bad_record", "messages is not a list")
             for i, msg in enumerate(record["messages"]):

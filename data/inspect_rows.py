@@ -25,7 +25,8 @@ def supervised_positions(sample) -> list[int]:
 def decoder(m, data):
     """Token ids -> text: the tokenizer of ``data.tokenizer``, else (mock data) the ids themselves
     with the special tokens of the model section ``m`` named."""
-    names = {m.image_token_id: "<|image_pad|>", m.vision_start_token_id: "<|vision_start|>",
+    names = {m.image_token_id: "<|image_pad|>", m.video_token_id: "<|video_pad|>",
+             m.vision_start_token_id: "<|vision_start|>",
              m.vision_end_token_id: "<|vision_end|>", m.im_start_token_id: "<|im_start|>",
              m.im_end_token_id: "<|im_end|>"}
     if data.tokenizer:
@@ -66,7 +67,8 @@ def describe(sample, decode, image_token_id: int | tuple[int, ...]) -> dict:
     }
 
 
-def print_samples(ds, decode, image_token_id: int | tuple[int, ...], num: int, start: int = 0, as_json: bool = False) -> None:
+def print_samples(ds, decode, image_token_id: int | tuple[int, ...], num: int, start: int = 0,
+                  as_json: bool = False) -> None:
     """Print the first ``num`` usable samples of ``ds`` from index ``start`` (text, or JSON lines)."""
     shown, index = 0, start
     while shown < num and index < len(ds):
