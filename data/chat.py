@@ -4,7 +4,8 @@ The ids are those of Qwen3.5's published chat template (``apply_chat_template``;
 is kept in ``tests/fixtures/qwen35_chat_template.jinja`` and the tests compare token for token):
 
 - every message's content is rendered (text parts joined, an image part as
-  ``<|vision_start|><|image_pad|><|vision_end|>``) and then trimmed of surrounding whitespace;
+  ``<|vision_start|><|image_pad|><|vision_end|>``, a video part as
+  ``<|vision_start|><|video_pad|><|vision_end|>``) and then trimmed of surrounding whitespace;
 - an optional system message comes first: ``<|im_start|>system\\n{content}<|im_end|>\\n``;
 - user turns: ``<|im_start|>user\\n{content}<|im_end|>\\n``;
 - assistant turns *after the last user message* carry a think block,
@@ -39,7 +40,9 @@ _SPECIAL_NAMES = {
     "im_start_token_id": "<|im_start|>",
     "im_end_token_id": "<|im_end|>",
 }
+VIDEO_PAD = "<|video_pad|>"  # optional: read when the tokenizer has it (every Qwen-VL tokenizer does)
 IMAGE_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
+VIDEO_BLOCK = "<|vision_start|><|video_pad|><|vision_end|>"
 ROLES = ("system", "user", "assistant")
 
 
@@ -60,6 +63,8 @@ def special_token_ids(tokenizer) -> dict[str, int]:
             "tokenizer or add them with tokenizer.add_special_tokens"
         )
     ids = {key: int(tokenizer.convert_tokens_to_ids(tok)) for key, tok in _SPECIAL_NAMES.items()}
+    if VIDEO_PAD in vocab:
+        ids["video_token_id"] = int(tokenizer.convert_tokens_to_ids(VIDEO_PAD))
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id
     if pad is None:
@@ -75,16 +80,21 @@ def _is_image(part: dict) -> bool:
     return part.get("type") == "image" or "image" in part or "image_url" in part  # the template's test
 
 
-def render_content(content, turn: int, allow_images: bool = True) -> tuple[str, int]:
+def is_video(part: dict) -> bool:
+    return part.get("type") == "video" or "video" in part  # the template's test, after the image one
+
+
+def render_content(content, turn: int, allow_images: bool = True) -> tuple[str, int, int]:
     """The template's ``render_content(...)|trim``: the message text with one image block per
-    image part, stripped of surrounding whitespace; and the number of images."""
+    image part and one video block per video part, stripped of surrounding whitespace; and the
+    numbers of images and videos."""
     if content is None:
-        return "", 0
+        return "", 0, 0
     if isinstance(content, str):
-        return content.strip(), 0
+        return content.strip(), 0, 0
     if not isinstance(content, list):
         raise ValueError(f"message {turn} content must be a string or a list of parts, got {type(content).__name__}")
-    out, n_images = [], 0
+    out, n_images, n_videos = [], 0, 0
     for part in content:
         if not isinstance(part, dict):
             raise ValueError(f"message {turn}: content part {part!r} is not an object")
@@ -93,13 +103,16 @@ def render_content(content, turn: int, allow_images: bool = True) -> tuple[str, 
                 raise ValueError(f"message {turn}: images are only supported in user turns")
             out.append(IMAGE_BLOCK)
             n_images += 1
-        elif part.get("type") == "video" or "video" in part:
-            raise ValueError(f"message {turn}: video parts are not supported yet")
+        elif is_video(part):
+            if not allow_images:
+                raise ValueError(f"message {turn}: videos are only supported in user turns")
+            out.append(VIDEO_BLOCK)
+            n_videos += 1
         elif "text" in part:
             out.append(str(part["text"]))
         else:
-            raise ValueError(f"message {turn}: unknown content part {part!r} (expected text or image)")
-    return "".join(out).strip(), n_images
+            raise ValueError(f"message {turn}: unknown content part {part!r} (expected text, image or video)")
+    return "".join(out).strip(), n_images, n_videos
 
 
 def split_reasoning(msg: dict, content: str) -> tuple[str, str]:
@@ -120,27 +133,44 @@ def last_user_index(messages: list[dict]) -> int:
     raise ValueError("the conversation has no user message (Qwen's chat template refuses it)")
 
 
+def video_expansion(tokenizer, timestamps: list[float], tokens_per_group: int, special_ids: dict[str, int]) -> list[int]:
+    """The ids that replace a video's ``<|video_pad|>``, as Qwen3-VL's processor (Qwen3.5's) writes
+    them: per temporal group ``<{t:.1f} seconds><|vision_start|>`` + its pad tokens + ``<|vision_end|>``
+    (inside the template's own ``<|vision_start|>...<|vision_end|>``). The timestamp text sits
+    between special tokens, so tokenising it alone gives the ids of the whole string."""
+    out: list[int] = []
+    for t in timestamps:
+        out += tokenizer.encode(f"<{t:.1f} seconds>", add_special_tokens=False)
+        out += [special_ids["vision_start_token_id"]] + [special_ids["video_token_id"]] * int(tokens_per_group)
+        out.append(special_ids["vision_end_token_id"])
+    return out
+
+
 def encode_conversation(tokenizer, messages: list[dict], image_token_counts: list[int],
-                        special_ids: dict[str, int]) -> tuple[list[int], list[float]]:
+                        special_ids: dict[str, int],
+                        videos: list[tuple[list[float], int]] = ()) -> tuple[list[int], list[float]]:
     """Token ids and shifted loss mask of a conversation (see the module docstring).
 
-    ``messages``: ``[{"role": ..., "content": str | [{"type": "image"} | {"type": "text", "text": ...}],
-    "reasoning_content": str (optional)}]``. Image i becomes ``<|vision_start|>`` +
-    ``image_token_counts[i]`` x ``<|image_pad|>`` + ``<|vision_end|>``. Every assistant turn is supervised.
+    ``messages``: ``[{"role": ..., "content": str | [{"type": "image"} | {"type": "video"} |
+    {"type": "text", "text": ...}], "reasoning_content": str (optional)}]``. Image i becomes
+    ``<|vision_start|>`` + ``image_token_counts[i]`` x ``<|image_pad|>`` + ``<|vision_end|>``; video j,
+    ``videos[j] = (timestamps of its temporal groups, tokens per group)``, is expanded by
+    ``video_expansion``. Every assistant turn is supervised.
     """
     pad = special_ids["image_token_id"]
+    video_pad = special_ids.get("video_token_id")
     for turn, msg in enumerate(messages):
         if msg.get("role") not in ROLES:
             raise ValueError(f"message {turn} has role {msg.get('role')!r}; expected one of {', '.join(ROLES)}")
     last_query = last_user_index(messages)
     pieces: list[tuple[str, bool]] = []  # (text, supervised); prompt text is merged until an answer
-    n_img = 0
+    n_img = n_vid = 0
     for turn, msg in enumerate(messages):
         role = msg["role"]
         if role == "system" and turn:
             raise ValueError(f"message {turn}: a system message must come first")
-        content, k = render_content(msg.get("content"), turn, allow_images=role == "user")
-        n_img += k
+        content, k, kv = render_content(msg.get("content"), turn, allow_images=role == "user")
+        n_img, n_vid = n_img + k, n_vid + kv
         if role != "assistant":
             pieces.append((f"<|im_start|>{role}\n{content}<|im_end|>\n", False))
             continue
@@ -154,10 +184,14 @@ def encode_conversation(tokenizer, messages: list[dict], image_token_counts: lis
         pieces += [("<|im_end|>", True), ("\n", False)]
     if n_img != len(image_token_counts):
         raise ValueError(f"{len(image_token_counts)} image token counts given but the conversation has {n_img} image(s)")
+    if n_vid != len(videos):
+        raise ValueError(f"{len(videos)} video(s) given but the conversation has {n_vid} video part(s)")
+    if n_vid and video_pad is None:
+        raise ValueError("the tokenizer has no <|video_pad|> token; use a Qwen-VL tokenizer for video samples")
 
     ids: list[int] = []
     target: list[bool] = []  # target[i]: token i is supervised (as a label)
-    counts = iter(image_token_counts)
+    counts, video_iter = iter(image_token_counts), iter(videos)
     text, supervised = "", False
     for piece, sup in pieces + [("", not pieces[-1][1])]:  # a sentinel flushes the last run
         if sup == supervised:
@@ -171,6 +205,10 @@ def encode_conversation(tokenizer, messages: list[dict], image_token_counts: lis
                 n = int(n)
                 ids.extend([pad] * n)
                 target.extend([supervised] * n)
+            elif tok == video_pad:
+                expanded = video_expansion(tokenizer, *next(video_iter), special_ids)
+                ids.extend(expanded)
+                target.extend([supervised] * len(expanded))
             else:
                 ids.append(tok)
                 target.append(supervised)

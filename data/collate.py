@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import torch
 
+from core.vision_tokens import vision_token_mask
 
-def _check_images(sample: dict, image_token_id: int, merge: int) -> None:
+
+def _check_images(sample: dict, image_token_id: int | tuple[int, ...], merge: int) -> None:
     grids = sample["image_grid_thw"].reshape(-1, 3)
     want = int((grids.prod(dim=1) // merge**2).sum())
-    got = int((sample["input_ids"] == image_token_id).sum())
+    got = int(vision_token_mask(sample["input_ids"], image_token_id).sum())
     if got != want:
         raise ValueError(
             f"sample {sample.get('index')}: {got} image tokens but its image_grid_thw "

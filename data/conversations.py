@@ -6,7 +6,8 @@ parquet files), one record at a time (``data/record_sources.py``), in two forms:
 - chat messages (what ``apply_chat_template`` takes)::
 
     {"messages": [{"role": "system" | "user" | "assistant",
-                   "content": "text" | [{"type": "image", "image": IMAGE}, {"type": "text", "text": "..."}],
+                   "content": "text" | [{"type": "image", "image": IMAGE}, {"type": "video", "video": VIDEO},
+                                        {"type": "text", "text": "..."}],
                    "reasoning_content": "..." (optional)}]}
 
 - LLaVA / ShareGPT::
@@ -14,17 +15,22 @@ parquet files), one record at a time (``data/record_sources.py``), in two forms:
     {"image": IMAGE | [IMAGE, ...], "system": "..." (optional),
      "conversations": [{"from": "human" | "gpt" | "system", "value": "<image>\\nWhat is this?"}, ...]}
 
-  each ``<image>`` in a value is the next image of the record, in order.
+  each ``<image>`` in a value is the next image of the record, in order; each ``<video>`` the next
+  of ``"video": VIDEO`` / ``"videos": [VIDEO, ...]``.
 
 ``IMAGE`` is a path (relative to ``data.image_root``, default the data file's folder or the
 datasets folder; ``file://`` allowed), embedded bytes as a ``data:image/...;base64,...`` URL, raw
-bytes, or a ``datasets`` ``Image`` value (``{"bytes": ..., "path": ...}``). ``data.system_prompt``
+bytes, or a ``datasets`` ``Image`` value (``{"bytes": ..., "path": ...}``). ``VIDEO`` is a video
+file (a path as for images, or raw bytes; decoded with PyAV and sampled at ``data.video_fps``) or a
+list of frames (``IMAGE`` each) taken as given at ``data.video_fps`` frames a second
+(``data/video.py``). ``data.system_prompt``
 is put first in records that have no system message. Every sample is rendered as Qwen3.5's chat
 template renders it (``data/chat.py``) and every assistant turn is supervised.
 
 A bad record is skipped, counted in ``self.skipped`` by reason and logged with its index, as in
 ``data/cord_v2.py``: ``bad_json``, ``bad_record`` (not one of the forms), ``unknown_role``,
-``missing_image``, ``bad_image``, ``image_count_mismatch`` (``<image>`` tags vs images),
+``missing_image``, ``bad_image``, ``missing_video``, ``bad_video``, ``image_count_mismatch`` (``<image>`` tags vs images),
+``video_count_mismatch``,
 ``empty_answer``, ``too_long`` (more than ``train.seq_length`` tokens; never cut, since a cut
 conversation would teach a half answer).
 """
@@ -34,31 +40,39 @@ from __future__ import annotations
 import base64
 import collections
 import logging
+import re
 from pathlib import Path
 
 import torch
 
-from data.chat import encode_conversation, special_token_ids
+from data.chat import encode_conversation, is_video, special_token_ids
 from data.cord_v2 import SkipSample
 from data.image import image_patches, open_image, smart_resize
 from data.record_sources import RecordSourceError, open_records
-from models.qwen35_vl.mrope import mrope_position_ids
+from data.video import frame_timestamps, decode_video, video_patches
+from models.qwen35_vl.mrope import mrope_position_ids, split_video_grids
 
 log = logging.getLogger(__name__)
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-IMAGE_TAG = "<image>"
+IMAGE_TAG, VIDEO_TAG = "<image>", "<video>"
+_TAGS = re.compile(f"({IMAGE_TAG}|{VIDEO_TAG})")
 
 
 def sharegpt_to_messages(record: dict) -> tuple[list[dict], list]:
-    """A LLaVA/ShareGPT record -> (chat messages with image parts, its images in order)."""
+    """A LLaVA/ShareGPT record -> (chat messages with image and video parts, its images in order).
+
+    Each ``<image>`` tag takes the next of ``image``/``images``; each ``<video>`` tag the next of
+    ``video`` (one video: a file, or a list of frames) / ``videos`` (a list of them)."""
     images = record.get("image") if record.get("image") is not None else record.get("images")
     images = [images] if isinstance(images, (str, bytes, dict)) else list(images or [])
+    videos = [record["video"]] if record.get("video") is not None else list(record.get("videos") or [])
     turns = record["conversations"]
     if not isinstance(turns, list):
         raise SkipSample("bad_record", "conversations is not a list")
     messages = [{"role": "system", "content": record["system"]}] if isinstance(record.get("system"), str) else []
-    n_tags = 0
+    media = {IMAGE_TAG: ("image", images), VIDEO_TAG: ("video", videos)}
+    used = {IMAGE_TAG: 0, VIDEO_TAG: 0}
     for i, turn in enumerate(turns):
         role = SHAREGPT_ROLES.get(turn.get("from") if isinstance(turn, dict) else None)
         if role is None:
@@ -66,17 +80,20 @@ def sharegpt_to_messages(record: dict) -> tuple[list[dict], list]:
         value = turn.get("value")
         if not isinstance(value, str):
             raise SkipSample("bad_record", f"turn {i} has no string value")
-        pieces = value.split(IMAGE_TAG)
+        pieces = _TAGS.split(value)  # text, tag, text, tag, ..., text
         parts = []
         for j, piece in enumerate(pieces):
-            if j:
-                parts.append({"type": "image", "image": images[n_tags] if n_tags < len(images) else None})
-                n_tags += 1
-            if piece:
+            if j % 2:
+                kind, sources = media[piece]
+                k = used[piece]
+                parts.append({"type": kind, kind: sources[k] if k < len(sources) else None})
+                used[piece] += 1
+            elif piece:
                 parts.append({"type": "text", "text": piece})
-        messages.append({"role": role, "content": parts if n_tags or len(pieces) > 1 else value})
-    if n_tags != len(images):
-        raise SkipSample("image_count_mismatch", f"{n_tags} {IMAGE_TAG} tag(s) but {len(images)} image(s)")
+        messages.append({"role": role, "content": parts if any(used.values()) else value})
+    for tag, (kind, sources) in media.items():
+        if used[tag] != len(sources):
+            raise SkipSample(f"{kind}_count_mismatch", f"{used[tag]} {tag} tag(s) but {len(sources)} {kind}(s)")
     return messages, images
 
 
@@ -102,10 +119,12 @@ class ConversationsDataset(torch.utils.data.Dataset):
         self.patch, self.tp, self.merge = v.patch_size, v.temporal_patch_size, v.spatial_merge_size
         self.min_pixels, self.max_pixels = data_cfg.min_pixels, data_cfg.max_pixels
         self.image_mean, self.image_std = tuple(data_cfg.image_mean), tuple(data_cfg.image_std)
+        self.video_fps, self.video_frames = data_cfg.video_fps, (data_cfg.video_min_frames, data_cfg.video_max_frames)
+        self.video_pixels = (data_cfg.video_min_pixels, data_cfg.video_max_pixels)
         self.seq_length, self.tokenizer = seq_length, tokenizer
         self.ids = special_token_ids(tokenizer)
-        for key in ("image_token_id", "vision_start_token_id", "vision_end_token_id"):
-            if getattr(model_cfg, key) != self.ids[key]:
+        for key in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+            if key in self.ids and getattr(model_cfg, key) != self.ids[key]:
                 raise ValueError(f"model.{key}={getattr(model_cfg, key)} but the tokenizer's id is {self.ids[key]}; "
                                  f"set model.{key}={self.ids[key]}")
         self.skipped: collections.Counter = collections.Counter()
@@ -131,9 +150,10 @@ class ConversationsDataset(torch.utils.data.Dataset):
         return record
 
     def _messages(self, record: dict) -> tuple[list[dict], list]:
-        """Chat messages (images as bare parts) and the image sources in order."""
+        """Chat messages (images and videos as bare parts) and their sources in order, as
+        ("image" | "video", source) pairs."""
         if "messages" in record:
-            messages, images = [], []
+            messages = []
             if not isinstance(record["messages"], list):
                 raise SkipSample("bad_record", "messages is not a list")
             for i, msg in enumerate(record["messages"]):
@@ -145,7 +165,7 @@ class ConversationsDataset(torch.utils.data.Dataset):
             messages, _ = sharegpt_to_messages(record)
         else:
             raise SkipSample("bad_record", "a record needs 'messages' (chat form) or 'conversations' (LLaVA/ShareGPT form)")
-        images, out = [], []
+        sources, out = [], []
         for msg in messages:
             content = msg.get("content")
             if isinstance(content, list):
@@ -155,34 +175,39 @@ class ConversationsDataset(torch.utils.data.Dataset):
                     if isinstance(part, dict) and (part.get("type") == "image" or "image" in part or "image_url" in part):
                         src = part.get("image", part.get("image_url"))
                         # {"url": ...}: the OpenAI image_url form; {"bytes", "path"}: a datasets Image
-                        images.append(src["url"] if isinstance(src, dict) and "url" in src else src)
+                        sources.append(("image", src["url"] if isinstance(src, dict) and "url" in src else src))
                         part = {"type": "image"}
+                    elif isinstance(part, dict) and is_video(part):
+                        sources.append(("video", part.get("video")))
+                        part = {"type": "video"}
                     parts.append(part)
                 msg = {**msg, "content": parts}
             out.append(msg)
         if self.system_prompt and not (out and out[0].get("role") == "system"):
             out.insert(0, {"role": "system", "content": self.system_prompt})
-        return out, images
+        return out, sources
 
-    def _load_image(self, src) -> tuple[torch.Tensor, torch.Tensor]:
+    def _image_source(self, src, kind: str = "image"):
+        """An image/video reference -> bytes or an existing path (or a counted skip)."""
         if isinstance(src, dict):  # a datasets Image feature: its bytes, else its path
             src = src.get("bytes") or src.get("path")
         if isinstance(src, (bytes, bytearray)) and src:
-            source = bytes(src)
-        elif not isinstance(src, str) or not src:
-            raise SkipSample("missing_image", f"image reference {src!r} is neither a path, bytes nor a data URL")
-        elif src.startswith("data:"):
+            return bytes(src)
+        if not isinstance(src, str) or not src:
+            raise SkipSample(f"missing_{kind}", f"{kind} reference {src!r} is neither a path, bytes nor a data URL")
+        if src.startswith("data:"):
             try:
-                data = base64.b64decode(src.split(",", 1)[1], validate=True)
+                return base64.b64decode(src.split(",", 1)[1], validate=True)
             except (IndexError, ValueError) as e:
-                raise SkipSample("bad_image", f"embedded image is not base64 ({e})") from None
-            source = data
-        else:
-            path = Path(src.removeprefix("file://"))
-            path = path if path.is_absolute() else self.image_root / path
-            if not path.is_file():
-                raise SkipSample("missing_image", f"image {path} does not exist (data.image_root={self.image_root})")
-            source = path
+                raise SkipSample(f"bad_{kind}", f"embedded {kind} is not base64 ({e})") from None
+        path = Path(src.removeprefix("file://"))
+        path = path if path.is_absolute() else self.image_root / path
+        if not path.is_file():
+            raise SkipSample(f"missing_{kind}", f"{kind} {path} does not exist (data.image_root={self.image_root})")
+        return path
+
+    def _load_image(self, src) -> tuple[torch.Tensor, torch.Tensor]:
+        source = self._image_source(src)
         try:
             img = open_image(source)
             smart_resize(img.height, img.width, self.patch * self.merge, self.min_pixels, self.max_pixels)
@@ -190,6 +215,28 @@ class ConversationsDataset(torch.utils.data.Dataset):
             raise SkipSample("bad_image", f"image does not decode ({type(e).__name__}: {e})") from None
         return image_patches(img, self.patch, self.tp, self.merge, self.min_pixels, self.max_pixels,
                              self.image_mean, self.image_std)
+
+    def _load_video(self, src) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
+        """(pixel_values, grid_thw, timestamp of each temporal group) of a video file or frame list."""
+        import numpy as np
+
+        tp = self.tp
+        try:
+            if isinstance(src, (list, tuple)):  # frames, as given, at video_fps
+                frames = [self._image_source(f, "video") for f in src]
+                frames = [torch.from_numpy(np.asarray(open_image(f))).permute(2, 0, 1) for f in frames]
+                if len({f.shape for f in frames}) > 1:
+                    raise SkipSample("bad_video", f"its frames differ in size: {sorted({tuple(f.shape) for f in frames})}")
+                video, indices, fps = torch.stack(frames), range(len(frames)), self.video_fps
+            else:
+                video, indices, fps = decode_video(self._image_source(src, "video"), self.video_fps, *self.video_frames)
+            pixel_values, grid = video_patches(video, self.patch, tp, self.merge, *self.video_pixels,
+                                               self.image_mean, self.image_std)
+        except SkipSample:
+            raise
+        except Exception as e:  # PyAV and PIL raise many kinds; too few frames is a ValueError
+            raise SkipSample("bad_video", f"video does not decode ({type(e).__name__}: {e})") from None
+        return pixel_values, grid, frame_timestamps(indices, fps, tp)
 
     # ------------------------------------------------------------------ sample
 
@@ -203,10 +250,12 @@ class ConversationsDataset(torch.utils.data.Dataset):
             text = c if isinstance(c, str) else "".join(p.get("text", "") for p in c or [] if isinstance(p, dict))
             if not text.strip() and not (m.get("reasoning_content") or "").strip():
                 raise SkipSample("empty_answer", "an assistant turn is empty")
-        images = [self._load_image(src) for src in sources]
-        counts = [int(g.prod()) // self.merge**2 for _, g in images]
+        visuals = [(kind, *(self._load_image(src) if kind == "image" else self._load_video(src)))
+                   for kind, src in sources]
+        counts = [int(v[2].prod()) // self.merge**2 for v in visuals if v[0] == "image"]
+        videos = [(v[3], int(v[2][1:].prod()) // self.merge**2) for v in visuals if v[0] == "video"]
         try:
-            ids, mask = encode_conversation(self.tokenizer, messages, counts, self.ids)
+            ids, mask = encode_conversation(self.tokenizer, messages, counts, self.ids, videos)
         except ValueError as e:
             raise SkipSample("bad_record", str(e)) from None
         if len(ids) > self.seq_length:
@@ -216,13 +265,19 @@ class ConversationsDataset(torch.utils.data.Dataset):
         labels = torch.full_like(input_ids, -100)
         labels[:-1] = input_ids[1:]
         dim = 3 * self.tp * self.patch**2
-        grids = torch.stack([g for _, g in images]) if images else torch.zeros(0, 3, dtype=torch.long)
+        none = torch.zeros(0, 3, dtype=torch.long)
+        # every image and video, in the order they appear: what the vision encoder reads
+        grids = torch.stack([v[2] for v in visuals]) if visuals else none
+        # the runs of vision tokens MRoPE places: a video's temporal groups are separate runs
+        runs = [v[2][None] if v[0] == "image" else split_video_grids(v[2]) for v in visuals]
+        vision_ids = tuple(self.ids[k] for k in ("image_token_id", "video_token_id") if k in self.ids)
         return {
             "input_ids": input_ids,
             "labels": labels,
             "loss_mask": torch.tensor(mask, dtype=torch.float32),
-            "position_ids": mrope_position_ids(input_ids, grids, self.ids["image_token_id"], self.merge),
-            "pixel_values": torch.cat([p for p, _ in images]) if images else torch.zeros(0, dim),
+            "position_ids": mrope_position_ids(input_ids, torch.cat(runs) if runs else none, vision_ids, self.merge),
+            "pixel_values": torch.cat([v[1] for v in visuals]) if visuals else torch.zeros(0, dim),
             "image_grid_thw": grids,
+            "video_grid_thw": torch.stack([v[2] for v in visuals if v[0] == "video"]) if videos else none,
             "index": index,
         }

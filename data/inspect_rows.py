@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 
+from core.vision_tokens import vision_token_mask
 from data.loader import load_tokenizer
 
 
@@ -24,7 +25,8 @@ def supervised_positions(sample) -> list[int]:
 def decoder(m, data):
     """Token ids -> text: the tokenizer of ``data.tokenizer``, else (mock data) the ids themselves
     with the special tokens of the model section ``m`` named."""
-    names = {m.image_token_id: "<|image_pad|>", m.vision_start_token_id: "<|vision_start|>",
+    names = {m.image_token_id: "<|image_pad|>", m.video_token_id: "<|video_pad|>",
+             m.vision_start_token_id: "<|vision_start|>",
              m.vision_end_token_id: "<|vision_end|>", m.im_start_token_id: "<|im_start|>",
              m.im_end_token_id: "<|im_end|>"}
     if data.tokenizer:
@@ -33,35 +35,40 @@ def decoder(m, data):
     return lambda ids: " ".join(names.get(i, str(i)) for i in ids) + " "  # mock data: ids
 
 
-def render(sample, decode, image_token_id: int, color: bool) -> str:
+def render(sample, decode, image_token_id: int | tuple[int, ...], color: bool) -> str:
+    """The sample's text, supervised tokens marked, each run of image (or video) tokens as ``<|image_pad|>xN``."""
+    pad_ids = image_token_id if isinstance(image_token_id, tuple) else (image_token_id,)
+    pads = dict(zip(pad_ids, ("<|image_pad|>", "<|video_pad|>")))
     ids = sample["input_ids"].tolist()
     sup = set(supervised_positions(sample))
     on, off = ("\033[1;32m", "\033[0m") if color else ("[[", "]]")
     out, i = [], 0
     while i < len(ids):
         j = i
-        while j < len(ids) and (j in sup) == (i in sup) and (ids[j] == image_token_id) == (ids[i] == image_token_id):
+        while j < len(ids) and (j in sup) == (i in sup) and ((ids[j] == ids[i]) if ids[i] in pads else ids[j] not in pads):
             j += 1
-        text = f"<|image_pad|>x{j - i}" if ids[i] == image_token_id else decode(ids[i:j])
+        text = f"{pads[ids[i]]}x{j - i}" if ids[i] in pads else decode(ids[i:j])
         out.append(f"{on}{text}{off}" if i in sup else text)
         i = j
     return "".join(out)
 
 
-def describe(sample, decode, image_token_id: int) -> dict:
+def describe(sample, decode, image_token_id: int | tuple[int, ...]) -> dict:
     labels_sup = [sample["input_ids"][p].item() for p in supervised_positions(sample)]
     return {
         "index": sample["index"],
         "num_tokens": len(sample["input_ids"]),
         "num_supervised": len(labels_sup),
         "supervised_text": decode(labels_sup),
-        "num_image_tokens": int((sample["input_ids"] == image_token_id).sum()),
-        "image_grid_thw": sample["image_grid_thw"].tolist(),
+        "num_image_tokens": int(vision_token_mask(sample["input_ids"], image_token_id).sum()),  # and video tokens
+        "image_grid_thw": sample["image_grid_thw"].tolist(),  # every image and video, in order
+        "video_grid_thw": sample.get("video_grid_thw", sample["image_grid_thw"][:0]).tolist(),
         "input_ids": sample["input_ids"].tolist(),  # to diff against your own processor's ids
     }
 
 
-def print_samples(ds, decode, image_token_id: int, num: int, start: int = 0, as_json: bool = False) -> None:
+def print_samples(ds, decode, image_token_id: int | tuple[int, ...], num: int, start: int = 0,
+                  as_json: bool = False) -> None:
     """Print the first ``num`` usable samples of ``ds`` from index ``start`` (text, or JSON lines)."""
     shown, index = 0, start
     while shown < num and index < len(ds):

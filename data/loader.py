@@ -114,7 +114,7 @@ class MicroBatchIterator:
     begins at start_index + r); to resume, use ``load_state_dict`` instead.
     """
 
-    def __init__(self, dataset, seq_length: int, pad_id: int, image_token_id: int, merge: int,
+    def __init__(self, dataset, seq_length: int, pad_id: int, image_token_id: int | tuple[int, ...], merge: int,
                  pack: bool, micro_batch_size: int, dp_rank: int, dp_size: int, start_index: int = 0,
                  max_bad_fraction: float = 0.1, num_workers: int = 0, pad_multiple: int = 1,
                  pack_lookahead: int = 0):

@@ -11,7 +11,8 @@ The special tokens are Qwen's names, the pre-tokenizer is Qwen's split, and the 
 renders Qwen3.5's layout (``<|im_start|>{role}\\n{content}<|im_end|>\\n``, with an empty think
 block in the final assistant turn; see ``CHAT_TEMPLATE``), with an image part of user content
 rendered as ``<|vision_start|><|image_pad|><|vision_end|>`` (one pad token;
-``data.chat.encode_conversation`` expands it to the image's token count).
+``data.chat.encode_conversation`` expands it to the image's token count). ``<|video_pad|>`` is
+there for video samples, which only the real template (tests/fixtures) renders.
 eos is ``<|im_end|>``; no pad token is set, so callers exercise the pad -> eos fallback.
 """
 
@@ -26,6 +27,7 @@ QWEN_SPECIAL_TOKENS = (
     "<|vision_start|>",
     "<|vision_end|>",
     "<|image_pad|>",
+    "<|video_pad|>",
 )
 
 # The layout of Qwen3.5's template (tests/fixtures/qwen35_chat_template.jinja, which the tests

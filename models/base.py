@@ -12,6 +12,7 @@ from megatron.core import tensor_parallel
 from megatron.core.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 
+from core.vision_tokens import vision_token_mask
 from models.common.cp_collectives import VisionGather
 
 
@@ -36,14 +37,14 @@ PARAMETER_GROUPS = ("vision", "merger", "language", "embedding", "lm_head")
 
 
 class MultimodalModel(MegatronModule):
-    def __init__(self, config, language_model, vision_model, image_token_id: int, pre_process: bool = True,
+    def __init__(self, config, language_model, vision_model, image_token_id: int | tuple[int, ...], pre_process: bool = True,
                  post_process: bool = True):
         super().__init__(config=config)
         self.model_type = ModelType.encoder_or_decoder  # read by megatron's schedules
         self.language_model = language_model
         # The vision encoder lives on the first pipeline stage only.
         self.vision_model = vision_model if pre_process else None
-        self.image_token_id = image_token_id
+        self.image_token_id = image_token_id  # the placeholder id(s) vision features replace: image, video
         self.pre_process, self.post_process = pre_process, post_process
         self.share_embeddings_and_output_weights = language_model.share_embeddings_and_output_weights
 
@@ -80,12 +81,12 @@ class MultimodalModel(MegatronModule):
                    else emb.new_zeros(0, emb.shape[-1]))
             features = VisionGather.apply(own, *vision_gather)
             features = features.index_select(0, image_feature_index)
-            emb = scatter_image_features(emb, tokens == self.image_token_id, features)
+            emb = scatter_image_features(emb, vision_token_mask(tokens, self.image_token_id), features)
         elif pixel_values is not None and pixel_values.numel() and self.vision_model is not None:
             features = self.vision_model(pixel_values, image_grid_thw).to(emb.dtype)
             if image_feature_index is not None:
                 features = features.index_select(0, image_feature_index)
-            emb = scatter_image_features(emb, tokens == self.image_token_id, features)
+            emb = scatter_image_features(emb, vision_token_mask(tokens, self.image_token_id), features)
         if self.config.sequence_parallel:
             emb = tensor_parallel.scatter_to_sequence_parallel_region(emb)
         return emb.contiguous()

@@ -47,6 +47,16 @@ class DataConfig:
     # data.tokenizer replaces a range left at these defaults, a value set in the recipe wins
     min_pixels: int = 65_536
     max_pixels: int = 16_777_216
+    # video parts of conversations (data/video.py). Defaults: the released checkpoints'
+    # video_preprocessor_config.json. A file is sampled at video_fps frames a second (a list of
+    # frames is taken as given at that rate), keeping video_min_frames..video_max_frames frames;
+    # all frames of a video are resized to one size with frames*height*width in
+    # [video_min_pixels, video_max_pixels] (the pixel budget of one video)
+    video_fps: float = 2.0
+    video_min_frames: int = 4
+    video_max_frames: int = 768
+    video_min_pixels: int = 4096
+    video_max_pixels: int = 25_165_824
     # per-channel normalisation; read from preprocessor_config.json beside data.tokenizer when present
     image_mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
     image_std: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
@@ -398,6 +408,11 @@ def validate(cfg: Config, world_size: int = 1) -> None:
              f"1 <= min_pixels <= max_pixels and max_pixels >= (patch_size*merge)^2 = {unit**2}")
     _require(d.prefetch is None or d.prefetch >= 0,
              "data.prefetch must be >= 0 (0 disables the background loader thread) or null (auto)")
+    _require(d.video_fps > 0 and 1 <= d.video_min_frames <= d.video_max_frames,
+             f"data.video_fps ({d.video_fps}) must be > 0 and 1 <= data.video_min_frames ({d.video_min_frames}) "
+             f"<= data.video_max_frames ({d.video_max_frames})")
+    _require(1 <= d.video_min_pixels <= d.video_max_pixels,
+             f"data.video_min_pixels ({d.video_min_pixels}) must be in [1, data.video_max_pixels ({d.video_max_pixels})]")
     _require(len(d.image_mean) == 3 and len(d.image_std) == 3 and all(x > 0 for x in d.image_std),
              "data.image_mean and data.image_std need 3 values (RGB), std > 0")
     _require(d.pad_multiple is None or d.pad_multiple >= 1, "data.pad_multiple must be >= 1 or null (auto)")
@@ -459,7 +474,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _require(d.min_image_side % unit == 0 and d.max_image_side % unit == 0,
              f"data.min_image_side/max_image_side must be multiples of patch_size*spatial_merge_size = {unit}")
     _require(1 <= d.min_images <= d.max_images, "data.min_images must be in [1, data.max_images]")
-    special = [m.image_token_id, m.vision_start_token_id, m.vision_end_token_id, m.im_start_token_id,
+    special = [m.image_token_id, m.video_token_id, m.vision_start_token_id, m.vision_end_token_id, m.im_start_token_id,
                m.im_end_token_id, m.eos_token_id, m.pad_token_id]
     _require(all(0 <= s < m.vocab_size for s in special),
              f"special token ids {special} must lie inside model.vocab_size ({m.vocab_size})")
@@ -553,7 +568,27 @@ def resolve_sources(cfg: Config) -> Config:
         for key, value in special_token_ids(load_tokenizer(cfg.data)).items():
             setattr(cfg.model, key, value)
         _read_image_processor(cfg)
+        _read_video_processor(cfg)
     return cfg
+
+
+def _read_video_processor(cfg: Config) -> None:
+    """A checkpoint's video_preprocessor_config.json (beside the tokenizer): its sampling rate, frame
+    range and per-video pixel range, for the data.video_* keys the recipe left at their defaults."""
+    path = Path(cfg.data.tokenizer) / "video_preprocessor_config.json"
+    if not path.is_file():
+        return
+    import json
+
+    pre = json.loads(path.read_text())
+    size = pre.get("size") if isinstance(pre.get("size"), dict) else {}
+    found = {"video_fps": pre.get("fps"), "video_min_frames": pre.get("min_frames"),
+             "video_max_frames": pre.get("max_frames"), "video_min_pixels": size.get("shortest_edge"),
+             "video_max_pixels": size.get("longest_edge")}
+    defaults = DataConfig()
+    for key, value in found.items():
+        if value is not None and getattr(cfg.data, key) == getattr(defaults, key):
+            setattr(cfg.data, key, type(getattr(defaults, key))(value))
 
 
 def _read_image_processor(cfg: Config) -> None:

@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from core.vision_tokens import vision_token_mask
 from core.zigzag import zigzag_indices
 
 
@@ -30,7 +31,7 @@ def _segments(batch: dict) -> list[int]:
     return [e - s for s, e in zip(cu[:-1], cu[1:])]
 
 
-def partition_batch(batch: dict, cp: int, rank: int, image_token_id: int, split_vision: bool = False,
+def partition_batch(batch: dict, cp: int, rank: int, image_token_id: int | tuple[int, ...], split_vision: bool = False,
                     merge: int = 2) -> dict:
     """This CP rank's share of a collated (host) micro-batch, plus the reorder metadata.
 
@@ -51,7 +52,7 @@ def partition_batch(batch: dict, cp: int, rank: int, image_token_id: int, split_
         if batch.get(key) is not None:
             out[key] = batch[key][:, local]
     out["position_ids"] = batch["position_ids"][:, :, local]
-    is_image = batch["tokens"] == image_token_id  # [B, S]
+    is_image = vision_token_mask(batch["tokens"], image_token_id)  # [B, S]: image and video tokens
     ordinal = is_image.reshape(-1).cumsum(0).reshape(is_image.shape) - 1
     out["image_feature_index"] = ordinal[:, local][is_image[:, local]]
     out["cp_gather_order"] = order

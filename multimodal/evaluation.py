@@ -86,7 +86,7 @@ class Evaluator:
         """A fresh pass from the validation set's start (rank r reads samples r, r + DP, ...)."""
         cfg, m, t = self.cfg, self.cfg.model, self.cfg.train
         return MicroBatchIterator(
-            self.dataset, t.seq_length, m.pad_token_id, m.image_token_id, m.vision.spatial_merge_size,
+            self.dataset, t.seq_length, m.pad_token_id, m.vision_token_ids, m.vision.spatial_merge_size,
             cfg.data.pack, t.micro_batch_size, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
             max_bad_fraction=cfg.data.max_bad_fraction, num_workers=cfg.data.num_workers,
             pad_multiple=sequence_pad_multiple(cfg), pack_lookahead=cfg.data.pack_lookahead,
@@ -96,7 +96,7 @@ class Evaluator:
         m = self.cfg.model
         return ForwardStep(self.rt.device, self.dtype, cp_size=ps.get_context_parallel_world_size(),
                            cp_rank=ps.get_context_parallel_rank(), cp_group=ps.get_context_parallel_group(),
-                           image_token_id=m.image_token_id, cp_split_vision=self.cfg.parallel.cp_split_vision,
+                           image_token_id=m.vision_token_ids, cp_split_vision=self.cfg.parallel.cp_split_vision,
                            merge=m.vision.spatial_merge_size, sparse_lm_head=m.sparse_lm_head and m.fused_linear_ce)
 
     def run(self, it: int) -> dict:

@@ -81,7 +81,7 @@ class ForwardStep:
     """Callable for megatron's forward_backward_func; records host-side batch stats."""
 
     def __init__(self, device: torch.device, pixel_dtype: torch.dtype, cp_size: int = 1, cp_rank: int = 0,
-                 cp_group=None, image_token_id: int | None = None, cp_split_vision: bool = False, merge: int = 2,
+                 cp_group=None, image_token_id: int | tuple[int, ...] | None = None, cp_split_vision: bool = False, merge: int = 2,
                  sparse_lm_head: bool = False):
         self.device, self.pixel_dtype = device, pixel_dtype
         # model.sparse_lm_head (with the fused loss): logits only at the loss tokens of packed batches

@@ -244,7 +244,7 @@ def _build_and_loop(cfg: Config, rt: Runtime, dtype: torch.dtype, mem: MemoryToo
 
     dataset = build_dataset(m, cfg.data, t.seq_length)
     loader = MicroBatchIterator(
-        dataset, t.seq_length, m.pad_token_id, m.image_token_id, m.vision.spatial_merge_size,
+        dataset, t.seq_length, m.pad_token_id, m.vision_token_ids, m.vision.spatial_merge_size,
         cfg.data.pack, t.micro_batch_size, dp_rank, dp_size, max_bad_fraction=cfg.data.max_bad_fraction,
         num_workers=cfg.data.num_workers, pad_multiple=sequence_pad_multiple(cfg),
         pack_lookahead=cfg.data.pack_lookahead,
@@ -318,7 +318,7 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
             optimizer.zero_grad()
             step = ForwardStep(rt.device, dtype, cp_size=ps.get_context_parallel_world_size(),
                                cp_rank=ps.get_context_parallel_rank(), cp_group=ps.get_context_parallel_group(),
-                               image_token_id=m.image_token_id, cp_split_vision=cfg.parallel.cp_split_vision,
+                               image_token_id=m.vision_token_ids, cp_split_vision=cfg.parallel.cp_split_vision,
                                merge=m.vision.spatial_merge_size,
                                sparse_lm_head=m.sparse_lm_head and m.fused_linear_ce)
             outputs = fwd_bwd(

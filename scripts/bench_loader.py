@@ -44,7 +44,7 @@ def main(argv=None) -> int:
         cfg.data.num_workers = args.workers
     m, t = cfg.model, cfg.train
     ds = build_dataset(m, cfg.data, t.seq_length)
-    it = MicroBatchIterator(ds, t.seq_length, m.pad_token_id, m.image_token_id, m.vision.spatial_merge_size,
+    it = MicroBatchIterator(ds, t.seq_length, m.pad_token_id, m.vision_token_ids, m.vision.spatial_merge_size,
                             cfg.data.pack, t.micro_batch_size, 0, 1, max_bad_fraction=cfg.data.max_bad_fraction,
                             num_workers=cfg.data.num_workers, pack_lookahead=cfg.data.pack_lookahead)
     next(it)  # warm-up (imports, first file reads)

@@ -315,7 +315,7 @@ def test_vision_micro_batches_that_do_not_fit_run_eagerly_and_are_counted(mcore)
     assert graphs.graphed_batches == 1 and list(graphs.buckets) == [64]
     assert graphs.eager_batches == {
         "a 32-patch bucket beyond train.cuda_graph_vision_max_buckets=1 (raise it or train.cuda_graph_vision_bucket)": 1,
-        "more than train.cuda_graph_max_samples=4 images in a micro-batch": 1}
+        "more than train.cuda_graph_max_samples=4 attention segments (images, video frame pairs) in a micro-batch": 1}
     for a, b in zip(losses, eager_losses):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     _assert_rounding_close(grads, eager_grads)

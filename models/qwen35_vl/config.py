@@ -78,6 +78,7 @@ class ModelConfig:
     im_end_token_id: int = 1004
     eos_token_id: int = 1005
     pad_token_id: int = 1006
+    video_token_id: int = 1007  # <|video_pad|>: a video's frames, as image_token_id an image's
     # kernels
     attention_backend: str = "auto"  # auto | sdpa | varlen (models/common/attention.py)
     # auto = flash_qla where `flash_qla` imports (SM90/SM100), else fla, else torch
@@ -126,6 +127,11 @@ class ModelConfig:
     # LoRA adapters (rank 0 = off); with them every base weight is frozen.
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     vision: VisionConfig = field(default_factory=VisionConfig)
+
+    @property
+    def vision_token_ids(self) -> tuple[int, int]:
+        """The placeholder ids whose embeddings the vision encoder's features replace (image, video)."""
+        return self.image_token_id, self.video_token_id
 
     def is_full_attention(self, layer: int) -> bool:
         """The hybrid pattern: layer i is gated full attention when (i+1) % interval == 0, else GDN."""

@@ -74,6 +74,7 @@ def model_config_from_hf(hf_dir: str | Path, base: ModelConfig | None = None) ->
         "image_token_id": raw.get("image_token_id", cfg.image_token_id),
         "vision_start_token_id": raw.get("vision_start_token_id", cfg.vision_start_token_id),
         "vision_end_token_id": raw.get("vision_end_token_id", cfg.vision_end_token_id),
+        "video_token_id": raw.get("video_token_id", cfg.video_token_id),
         "hf_config": str(hf_dir),
     }
     for ours, key in (("eos_token_id", "eos_token_id"), ("pad_token_id", "pad_token_id")):
@@ -357,5 +358,6 @@ def hf_config_from_ours(m: ModelConfig) -> dict:
         "image_token_id": m.image_token_id,
         "vision_start_token_id": m.vision_start_token_id,
         "vision_end_token_id": m.vision_end_token_id,
+        "video_token_id": m.video_token_id,
         "tie_word_embeddings": m.tie_word_embeddings,
     }

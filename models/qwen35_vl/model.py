@@ -224,4 +224,4 @@ def build(cfg, parallel, params_dtype: torch.dtype, pre_process: bool = True, po
         for module in language.modules():
             if isinstance(module, gdn_mod.Qwen35GatedDeltaNet):
                 module.out_norm.weight.tp_partial_grad = True
-    return MultimodalModel(tcfg, language, vision, m.image_token_id, pre_process, post_process)
+    return MultimodalModel(tcfg, language, vision, m.vision_token_ids, pre_process, post_process)

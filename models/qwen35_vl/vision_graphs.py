@@ -203,7 +203,9 @@ class VisionGraphs:
         if not (torch.is_grad_enabled() and self.encoder.training):
             return "not training (no grad or eval mode)"
         if geo.cu_seqlens.numel() - 1 > self.max_images:
-            return f"more than train.cuda_graph_max_samples={self.max_images} images in a micro-batch"
+            # a segment is an image or one frame pair of a video (attention stays within it)
+            return (f"more than train.cuda_graph_max_samples={self.max_images} attention segments (images, "
+                    "video frame pairs) in a micro-batch")
         if rows not in self.buckets and len(self.buckets) >= self.max_buckets:
             return (f"a {rows}-patch bucket beyond train.cuda_graph_vision_max_buckets={self.max_buckets} "
                     "(raise it or train.cuda_graph_vision_bucket)")

@@ -147,7 +147,7 @@ def main() -> int:
             break
         samples.append(s)
         used += len(s["input_ids"])
-    batch = pack_thd(samples, cfg.train.seq_length, m.pad_token_id, m.image_token_id, m.vision.spatial_merge_size)
+    batch = pack_thd(samples, cfg.train.seq_length, m.pad_token_id, m.vision_token_ids, m.vision.spatial_merge_size)
     batch = to_device(batch, rt.device, dtype)
     gdns = [mod for mod in model.modules() if isinstance(mod, Qwen35GatedDeltaNet)]
     tol_loss, tol_grad = (5e-2, 5e-2) if dtype == torch.bfloat16 else (1e-3, 1e-3)

@@ -91,7 +91,7 @@ def trainer_model_and_batches(config: str, overrides: list[str], micro_batches: 
     # as training resolves it: the graphs below add into main_grad (stage 2 installs them so)
     fused = wgrad_fusion.enable(ddp) if wgrad_fusion.resolve(m.grad_accum_fusion, t.cuda_graph_grads_to_main_grad) else 0
     dataset = build_dataset(m, cfg.data, t.seq_length)
-    loader = iter(MicroBatchIterator(dataset, t.seq_length, m.pad_token_id, m.image_token_id,
+    loader = iter(MicroBatchIterator(dataset, t.seq_length, m.pad_token_id, m.vision_token_ids,
                                      m.vision.spatial_merge_size, True, 1, 0, 1,
                                      pack_lookahead=cfg.data.pack_lookahead))
     batches = [to_device(next(loader), torch.device("cuda"), torch.bfloat16) for _ in range(micro_batches)]
