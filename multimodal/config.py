@@ -98,10 +98,10 @@ class TrainConfig:
     # MoE combine, scatter/index ops); slower. Kernels without such a version (flash attention's
     # and fla's backward) still vary in the last bits from run to run.
     deterministic: bool = False
-    # selective activation recompute (multimodal/recompute.py): core_attn, layernorm,
+    # selective activation recompute (multimodal/performance/recompute.py): core_attn, layernorm,
     # shared_experts, moe_act, gdn_qkv, gdn_norm_out; outputs and gradients unchanged bit for bit
     recompute_modules: list[str] = field(default_factory=list)
-    # Decoder layers replayed as CUDA graphs, forward and backward (models/common/layer_graphs.py):
+    # Decoder layers replayed as CUDA graphs, forward and backward (models/performance/layer_graphs.py):
     # removes most of the host's kernel-launch time. GPU, packed rows, pp=tp=cp=1, no recompute.
     # MoE decoder layers stay eager (only the vision encoder's graphs run; recompute allowed).
     # Rows with more samples than cuda_graph_max_samples run eagerly (counted).
@@ -150,15 +150,15 @@ class OptimizerConfig:
     fused: bool = True  # torch's fused AdamW kernel (one pass over params and state) instead of foreach
     # With the fused kernel: the 1/tokens gradient scale and the clip coefficient are applied by
     # the AdamW kernel as it reads each gradient, instead of two passes over the fp32 gradients
-    # (multimodal/multi_tensor.py DeferredGradScale). Same update up to rounding.
+    # (multimodal/performance/multi_tensor.py DeferredGradScale). Same update up to rounding.
     defer_grad_scaling: bool = True
-    # AdamW over flat buffers (multimodal/flat_adamw_patch.py): one Triton kernel per parameter group
+    # AdamW over flat buffers (multimodal/performance/flat_adamw_patch.py): one Triton kernel per parameter group
     # updates the fp32 main params and moments and writes the bf16 model params, in place of torch's
     # fused AdamW plus megatron's per-parameter copy. null: on with a CUDA device and Triton; true
     # elsewhere runs its PyTorch reference (slow; for tests). Also under the distributed optimizer.
     flat: bool | None = None
     # Flat AdamW's step on a second CUDA stream, behind the next step's forward: each layer waits
-    # only for its own parameters, the backward for all (multimodal/overlap_update.py). Same
+    # only for its own parameters, the backward for all (multimodal/performance/overlap_update.py). Same
     # update bit for bit. null: on where flat AdamW runs its kernel on a GPU (not under the
     # distributed optimizer); true on the CPU runs the same parts in order (tests).
     overlap_step: bool | None = None
@@ -189,13 +189,13 @@ class LoggingConfig:
     progress_bar: bool = True
     peak_tflops: float | None = None  # per device; default from the device name (H100/H200: 989)
     # CUDA allocator history from start-up, dumped to <dir>/memory_snapshot.pickle after step
-    # memory_snapshot_step (pytorch.org/memory_viz); multimodal/memory.py. No-op on CPU.
+    # memory_snapshot_step (pytorch.org/memory_viz); multimodal/observability/memory.py. No-op on CPU.
     memory_history: bool = False
     memory_snapshot_step: int = 3
     # 0: Python's automatic GC; N: GC off, gc.collect() every N steps on every rank at once
     manual_gc_interval: int = 0
     # torch.profiler over steps profile_step .. profile_step + profile_num_steps - 1 (0 = off) on
-    # profile_ranks: <dir>/profile/trace_rank{r}.json.gz + kernels_rank{r}.txt (multimodal/profiling.py)
+    # profile_ranks: <dir>/profile/trace_rank{r}.json.gz + kernels_rank{r}.txt (multimodal/observability/profiling.py)
     profile_step: int = 0
     profile_num_steps: int = 2
     profile_ranks: list[int] = field(default_factory=lambda: [0])

@@ -112,7 +112,7 @@ class ModelConfig:
     # the reported FLOPs then count the LM head at those tokens only. false: every token.
     sparse_lm_head: bool = True
     # Add each weight gradient into the fp32 main_grad inside its backward GEMM (linear layers,
-    # the fused LM head) or lookup (word embedding, index_add_), models/common/wgrad_fusion.py,
+    # the fused LM head) or lookup (word embedding, index_add_), models/performance/wgrad_fusion.py,
     # instead of a bf16 gradient plus a separate add per weight (dense [vocab, hidden] for the
     # embedding). null = on where it measured faster: with train.cuda_graphs and
     # cuda_graph_grads_to_main_grad on a GPU (H200, 2B, issue batch: 0.214-0.215 vs 0.217-0.222

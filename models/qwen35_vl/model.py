@@ -46,7 +46,7 @@ class Qwen35LanguageModel(GPTModel):
     # model.fused_linear_ce. False keeps megatron's output layer + vocab_parallel_cross_entropy.
     fused_linear_ce: bool = False
     # How the fused LM head hands back its weight gradient: "autograd", or into main_grad
-    # ("main_grad" / "main_grad_only"), set by models/common/wgrad_fusion.enable
+    # ("main_grad" / "main_grad_only"), set by models/performance/wgrad_fusion.enable
     lm_head_grad: str = "autograd"
 
     def lm_head_weight(self) -> torch.Tensor:

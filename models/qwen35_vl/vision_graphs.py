@@ -292,6 +292,6 @@ class VisionGraphs:
 def graph_vision_encoder(encoder, bucket: int, max_buckets: int, max_images: int, graph_factory=None,
             grads_to_main_grad: bool = False, warmup_patches: int = 0) -> VisionGraphs:
     """Route ``encoder``'s blocks and merger through per-bucket CUDA graphs (``use_side_stream()``
-    of models.common.layer_graphs before the model is built, as for the decoder graphs)."""
+    of models.performance.layer_graphs before the model is built, as for the decoder graphs)."""
     return VisionGraphs(encoder, bucket, max_buckets, max_images, graph_factory, grads_to_main_grad,
                         warmup_patches)
