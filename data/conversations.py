@@ -42,7 +42,7 @@ from data.chat import encode_conversation, special_token_ids
 from data.cord_v2 import SkipSample
 from data.image import image_patches, open_image, smart_resize
 from data.record_sources import RecordSourceError, open_records
-from models.qwen35_vl.mrope import mrope_position_ids
+from models import get_model_family
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,7 @@ class ConversationsDataset(torch.utils.data.Dataset):
         self.system_prompt = data_cfg.system_prompt
         v = model_cfg.vision
         self.patch, self.tp, self.merge = v.patch_size, v.temporal_patch_size, v.spatial_merge_size
+        self.position_ids = get_model_family(model_cfg.name).position_ids  # e.g. MRoPE's 3-D ids
         self.min_pixels, self.max_pixels = data_cfg.min_pixels, data_cfg.max_pixels
         self.image_mean, self.image_std = tuple(data_cfg.image_mean), tuple(data_cfg.image_std)
         self.seq_length, self.tokenizer = seq_length, tokenizer
@@ -221,7 +222,7 @@ class ConversationsDataset(torch.utils.data.Dataset):
             "input_ids": input_ids,
             "labels": labels,
             "loss_mask": torch.tensor(mask, dtype=torch.float32),
-            "position_ids": mrope_position_ids(input_ids, grids, self.ids["image_token_id"], self.merge),
+            "position_ids": self.position_ids(input_ids, grids, self.ids["image_token_id"], self.merge),
             "pixel_values": torch.cat([p for p, _ in images]) if images else torch.zeros(0, dim),
             "image_grid_thw": grids,
             "index": index,

@@ -26,13 +26,14 @@ from models.qwen35_vl.family import FAMILY as QWEN35_VL
 MODEL_REGISTRY: dict[str, ModelFamily] = {
     "qwen35_vl": QWEN35_VL,
 }
+DEFAULT_MODEL = "qwen35_vl"  # what a recipe without model.name builds
 
 
 def get_model_family(name: str) -> ModelFamily:
     try:
         return MODEL_REGISTRY[name]
     except KeyError:
-        raise KeyError(f"model.name {name!r} is not registered; known: {sorted(MODEL_REGISTRY)}") from None
+        raise KeyError(f"model.name {name!r} is not registered; choose one of {sorted(MODEL_REGISTRY)}") from None
 
 
 def get_model_builder(name: str) -> Callable:
