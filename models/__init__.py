@@ -22,9 +22,11 @@ from collections.abc import Callable
 
 from models.family import ModelFamily
 from models.qwen35_vl.family import FAMILY as QWEN35_VL
+from models.tiny_dense_vl.family import FAMILY as TINY_DENSE_VL
 
 MODEL_REGISTRY: dict[str, ModelFamily] = {
     "qwen35_vl": QWEN35_VL,
+    "tiny_dense_vl": TINY_DENSE_VL,
 }
 DEFAULT_MODEL = "qwen35_vl"  # what a recipe without model.name builds
 
