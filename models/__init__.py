@@ -35,7 +35,7 @@ def get_model_family(name: str) -> ModelFamily:
     try:
         return MODEL_REGISTRY[name]
     except KeyError:
-        raise KeyError(f"model.name {name!r} is not registered; choose one of {sorted(MODEL_REGISTRY)}") from None
+        raise KeyError(f"model.name {name!r} is not registered; known: {sorted(MODEL_REGISTRY)}") from None
 
 
 def get_model_builder(name: str) -> Callable:

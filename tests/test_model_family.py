@@ -47,7 +47,7 @@ def test_an_unknown_name_is_a_one_line_error():
     with pytest.raises(KeyError) as err:
         get_model_family("llama")
     msg = err.value.args[0]
-    assert msg == "model.name 'llama' is not registered; known: ['qwen35_vl']" and "\n" not in msg
+    assert msg == "model.name 'llama' is not registered; known: ['qwen35_vl', 'tiny_dense_vl']" and "\n" not in msg
 
 
 def test_qwen35_vl_is_registered_with_its_family():
