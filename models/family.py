@@ -64,6 +64,8 @@ class ModelFamily:
     - ``activation_bytes_per_token(m, layout)`` -> {layer kind: bytes of saved activations per
       token of one decoder layer of that kind}; ``layout`` has ``tp`` and ``sequence_parallel``.
     - ``vision_bytes_per_patch(m)`` -> bytes of saved activations per image patch in the encoder.
+    - ``recompute_modules``: the ``train.recompute_modules`` entries its layers have (others are
+      refused at start-up); the default is what every attention layer has.
     - ``recompute_mixers()`` -> the token-mixer classes whose blocks ``train.recompute_modules``
       ``gdn_qkv`` / ``gdn_norm_out`` checkpoint (multimodal/recompute.py). Such a mixer has
       ``in_proj``, ``prepare(hidden, cu_seqlens, varlen)`` and ``norm_out(core, z)``; a family
@@ -82,4 +84,5 @@ class ModelFamily:
     validate: Callable[..., None] = lambda m, p: None
     config_from_hf: Callable | None = None
     vision_graph_buckets: Callable[[int, int], list[int]] | None = None
+    recompute_modules: tuple[str, ...] = ("core_attn", "layernorm")
     recompute_mixers: Callable[[], Iterable[type]] = lambda: ()

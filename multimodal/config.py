@@ -378,6 +378,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
 
         why = check_modules(t.recompute_modules, p.cp)
         _require(why is None, f"train.recompute_modules: {why}")
+        has = get_model_family(m.name).recompute_modules
+        lacking = [name for name in t.recompute_modules if name not in has]
+        _require(not lacking, f"train.recompute_modules: model.name={m.name} has no {lacking}; choose from {list(has)}")
     _require(cfg.logging.memory_snapshot_step >= 1,
              f"logging.memory_snapshot_step must be >= 1 (the step after which the snapshot is written), "
              f"got {cfg.logging.memory_snapshot_step}")

@@ -148,6 +148,7 @@ def test_model_section_is_read_into_the_class_of_its_family():
 @pytest.mark.parametrize("overrides, needle", [
     (["model.num_experts=4"], "model.num_experts=4: tiny_dense_vl has a dense MLP only"),
     (["model.lora.rank=4"], "tiny_dense_vl has no LoRA adapters"),
+    (["train.recompute_modules=[gdn_qkv]"], r"model.name=tiny_dense_vl has no \['gdn_qkv'\]; choose from"),
     (["model.hf_config=/nonexistent"], "model.name=tiny_dense_vl has no Hugging Face config reader"),
 ])
 def test_family_rules_refuse_what_the_family_lacks(overrides, needle):

@@ -53,5 +53,6 @@ FAMILY = ModelFamily(
     validate=validate,
     config_from_hf=_config_from_hf,
     vision_graph_buckets=_vision_graph_buckets,
+    recompute_modules=("core_attn", "layernorm", "shared_experts", "gdn_qkv", "gdn_norm_out", "moe_act"),
     recompute_mixers=_recompute_mixers,
 )
