@@ -99,10 +99,10 @@ class TrainConfig:
     # Rows with more samples than cuda_graph_max_samples run eagerly (counted).
     cuda_graphs: bool = False
     cuda_graph_max_samples: int = 64  # per packed row (decoder) and images per micro-batch (vision)
-    # The vision encoder too (the family's, e.g. models/qwen35_vl/vision_graphs.py): its input padded up to a bucket
-    # of patches (multiples of this many up to 8 of them, then 8 sizes per doubling: at most 1/8
-    # padding), one graph pair per bucket, at most cuda_graph_vision_max_buckets of them (further
-    # sizes run eagerly, counted). 0 = the vision encoder stays eager.
+    # The vision encoder too (where its family has graphs: models/qwen35_vl/vision_graphs.py): its
+    # input padded up to a bucket of patches (multiples of this many up to 8 of them, then 8 sizes
+    # per doubling: at most 1/8 padding), one graph pair per bucket, at most
+    # cuda_graph_vision_max_buckets of them (further sizes run eagerly, counted). 0 = eager.
     cuda_graph_vision_bucket: int = 1024
     cuda_graph_vision_max_buckets: int = 24
     # Capture every vision bucket up to this many patches at the first micro-batch, so no later

@@ -11,7 +11,8 @@ from models.qwen35_vl.config import ModelConfig
 
 def validate(m: ModelConfig, p) -> None:
     """``p``: the recipe's parallel section (models/common/parallel_config.py)."""
-    require(m.full_attention_interval >= 1, f"model.full_attention_interval must be >= 1, got {m.full_attention_interval}")
+    require(m.full_attention_interval >= 1,
+            f"model.full_attention_interval must be >= 1, got {m.full_attention_interval}")
     require(m.gdn_pre_impl in ("auto", "fused", "unfused"),
             f"model.gdn_pre_impl must be auto|fused|unfused, got {m.gdn_pre_impl!r}")
     for name in ("linear_num_key_heads", "linear_num_value_heads"):

@@ -26,7 +26,8 @@ def _vision(m) -> tuple[int, int]:
     """(patch embedding + norm, merger) parameters."""
     v = m.vision
     patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
-    return (patch_dim + 1) * v.hidden_size + 2 * v.hidden_size, (v.hidden_size * v.spatial_merge_size**2 + 1) * m.hidden_size
+    embed = (patch_dim + 1) * v.hidden_size + 2 * v.hidden_size  # linear with bias, LayerNorm
+    return embed, (v.hidden_size * v.spatial_merge_size**2 + 1) * m.hidden_size
 
 
 def stage_params(m, tp: int = 1, pp: int = 1, ep: int = 1, stage: int = 0) -> StageParams:

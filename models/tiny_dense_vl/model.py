@@ -10,38 +10,20 @@ from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer import TransformerConfig
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from torch import nn
 
-from kernels.rotary import apply_rotary, inverse_frequencies
+from kernels.rotary import inverse_frequencies
 from models.base import MultimodalModel
 from models.common.core_attention import CoreAttention
 from models.common.language_model import FusedLossGPTModel
 from models.common import norms
 from models.common.norms import RMSNorm
-
-
-class RotarySelfAttention(SelfAttention):
-    """megatron's SelfAttention with q/k rotated by per-token angles [S, B, 1, head_dim] (megatron's
-    own rotary indexes frequencies per packed sample and syncs with the host in THD)."""
-
-    def forward(self, hidden_states, attention_mask, *args, rotary_pos_emb=None, **kwargs):
-        self._angles = rotary_pos_emb
-        try:
-            return super().forward(hidden_states, attention_mask, *args, rotary_pos_emb=None, **kwargs)
-        finally:
-            self._angles = None
-
-    def get_query_key_value_tensors(self, *args, **kwargs):
-        query, key, *rest = super().get_query_key_value_tensors(*args, **kwargs)  # [S, B, H, D]
-        angles = getattr(self, "_angles", None)
-        if angles is None:
-            return (query, key, *rest)
-        return (apply_rotary(query, angles), apply_rotary(key, angles), *rest)
+from models.common.rotary_attention import RotarySelfAttention
 
 
 class TinyLanguageModel(FusedLossGPTModel):
