@@ -49,3 +49,9 @@ class NonFiniteError(TrainingError):
 def one_line(text: str) -> str:
     """Collapse whitespace so a message from deep inside a library stays on one console line."""
     return " ".join(str(text).split())
+
+
+def require(ok: bool, msg: str) -> None:
+    """Raise ``ConfigError(msg)`` unless ``ok``: one recipe rule, its message naming field and fix."""
+    if not ok:
+        raise ConfigError(msg)

@@ -50,7 +50,8 @@ from data.cord_v2 import SkipSample
 from data.image import image_patches, open_image, smart_resize
 from data.record_sources import RecordSourceError, open_records
 from data.video import frame_timestamps, decode_video, video_patches
-from models.qwen35_vl.mrope import mrope_position_ids, split_video_grids
+from models import get_model_family
+from models.qwen35_vl.mrope import split_video_grids
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,7 @@ class ConversationsDataset(torch.utils.data.Dataset):
         self.system_prompt = data_cfg.system_prompt
         v = model_cfg.vision
         self.patch, self.tp, self.merge = v.patch_size, v.temporal_patch_size, v.spatial_merge_size
+        self.position_ids = get_model_family(model_cfg.name).position_ids  # e.g. MRoPE's 3-D ids
         self.min_pixels, self.max_pixels = data_cfg.min_pixels, data_cfg.max_pixels
         self.image_mean, self.image_std = tuple(data_cfg.image_mean), tuple(data_cfg.image_std)
         self.video_fps, self.video_frames = data_cfg.video_fps, (data_cfg.video_min_frames, data_cfg.video_max_frames)
@@ -275,7 +277,7 @@ class ConversationsDataset(torch.utils.data.Dataset):
             "input_ids": input_ids,
             "labels": labels,
             "loss_mask": torch.tensor(mask, dtype=torch.float32),
-            "position_ids": mrope_position_ids(input_ids, torch.cat(runs) if runs else none, vision_ids, self.merge),
+            "position_ids": self.position_ids(input_ids, torch.cat(runs) if runs else none, vision_ids, self.merge),
             "pixel_values": torch.cat([v[1] for v in visuals]) if visuals else torch.zeros(0, dim),
             "image_grid_thw": grids,
             "video_grid_thw": torch.stack([v[2] for v in visuals if v[0] == "video"]) if videos else none,

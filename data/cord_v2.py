@@ -32,7 +32,7 @@ import torch
 from data.chat import encode_conversation, special_token_ids
 from data.image import CHECKPOINT_MAX_PIXELS, CHECKPOINT_MIN_PIXELS, image_patches, open_image, smart_resize  # noqa: F401 (re-exported)
 from core.errors import DataError, one_line  # (a leaf module: imports nothing of the project)
-from models.qwen35_vl.mrope import mrope_position_ids
+from models import get_model_family
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +117,7 @@ class CordV2Dataset(torch.utils.data.Dataset):
             raise ValueError("data.path must name the CORD-v2 folder (parquet shards per split)")
         v = model_cfg.vision
         self.patch, self.tp, self.merge = v.patch_size, v.temporal_patch_size, v.spatial_merge_size
+        self.position_ids = get_model_family(model_cfg.name).position_ids  # e.g. MRoPE's 3-D ids
         self.factor = self.patch * self.merge
         if min_pixels > max_pixels or max_pixels < self.factor**2:
             raise ValueError(f"need {self.factor ** 2} <= max_pixels and min_pixels <= max_pixels, "
@@ -237,7 +238,7 @@ class CordV2Dataset(torch.utils.data.Dataset):
             "input_ids": input_ids,
             "labels": labels,
             "loss_mask": torch.tensor(mask, dtype=torch.float32),
-            "position_ids": mrope_position_ids(input_ids, grid_thw, self.ids["image_token_id"], self.merge),
+            "position_ids": self.position_ids(input_ids, grid_thw, self.ids["image_token_id"], self.merge),
             "pixel_values": pixel_values,
             "image_grid_thw": grid_thw,
             "index": index,

@@ -1,6 +1,6 @@
 """Images -> vision-encoder inputs as the Hugging Face Qwen image processor makes them: RGB
 decoding, Qwen's ``smart_resize`` into a pixel-area range, then ``patchify`` (the encoder's
-patch layout, models/qwen35_vl/vision_patches.py).
+patch layout, models/common/vision_patches.py).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from models.qwen35_vl.vision_patches import IMAGE_MEAN, IMAGE_STD, patchify
+from models.common.vision_patches import IMAGE_MEAN, IMAGE_STD, patchify
 
 
 # The released Qwen3.5 checkpoints' preprocessor_config.json ("size": {"shortest_edge": 65536,

@@ -23,8 +23,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from models.qwen35_vl.vision_patches import patchify
-from models.qwen35_vl.mrope import mrope_position_ids
+from models import get_model_family
+from models.common.vision_patches import patchify
 
 _TASK_SEED = 0x5EED  # fixed: class styles and answer spans are the task, shared across seeds
 
@@ -36,6 +36,7 @@ class MockDataset(torch.utils.data.Dataset):
         v = model_cfg.vision
         self.m, self.d, self.seq_length = model_cfg, data_cfg, seq_length
         self.patch, self.tp, self.merge = v.patch_size, v.temporal_patch_size, v.spatial_merge_size
+        self.position_ids = get_model_family(model_cfg.name).position_ids  # e.g. MRoPE's 3-D ids
         self.unit = self.patch * self.merge
         self.image_mean, self.image_std = tuple(data_cfg.image_mean), tuple(data_cfg.image_std)
         if data_cfg.min_image_side % self.unit or data_cfg.max_image_side % self.unit:
@@ -131,7 +132,7 @@ class MockDataset(torch.utils.data.Dataset):
             "input_ids": input_ids,
             "labels": labels,
             "loss_mask": loss_mask,
-            "position_ids": mrope_position_ids(input_ids, grid_thw, m.image_token_id, self.merge),
+            "position_ids": self.position_ids(input_ids, grid_thw, m.image_token_id, self.merge),
             "pixel_values": torch.cat(pixels),
             "image_grid_thw": grid_thw,
             "index": int(index),

@@ -24,7 +24,7 @@ import math
 import numpy as np
 import torch
 
-from models.qwen35_vl.vision_patches import IMAGE_MEAN, IMAGE_STD, patchify_frames
+from models.common.vision_patches import IMAGE_MEAN, IMAGE_STD, patchify_frames
 
 # The released Qwen3.5 checkpoints' video_preprocessor_config.json: fps 2, 4..768 frames, and
 # "size": {"shortest_edge": 4096, "longest_edge": 25165824}, the pixel area of a whole video.

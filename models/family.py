@@ -34,7 +34,23 @@ class StageParams:
 
 @dataclass(frozen=True)
 class ModelFamily:
-    """One architecture, as the trainer sees it. ``m`` below is the recipe's ``model`` section.
+    """One architecture, as the trainer sees it. ``m`` below is the recipe's ``model`` section, an
+    instance of ``config_class``; ``p`` its ``parallel`` section.
+
+    - ``config_class``: the dataclass the YAML ``model:`` section is read into (the family named by
+      ``model.name``); it extends ``models.common.model_config.ModelConfig`` with the family's own
+      fields and a ``vision`` section with the patch geometry the data pipeline reads.
+    - ``validate(m, p)``: the family's recipe rules (its shapes against the layout, its kernel
+      choices); raises ``core.errors.ConfigError`` with one line naming the field and the fix.
+      The trainer checks the common fields itself (attention heads against tp/cp, vocab, layers).
+    - ``position_ids(input_ids, image_grid_thw, image_token_id, spatial_merge_size)`` -> the
+      position ids [3, L] of one sample, built by the data pipeline (a 1-D rotary model repeats
+      its positions on the three rows).
+    - ``config_from_hf(path, base)`` -> ``config_class`` read from a Hugging Face config.json, the
+      non-architecture fields taken from ``base`` (``model.hf_config``); None: no reader.
+    - ``vision_graph_buckets(max_patches, unit)`` -> the sizes of the vision encoder's CUDA graph
+      buckets for that many patches (``train.cuda_graph_vision_warmup_patches``); None when the
+      encoder has no graphs.
 
     - ``build(model_cfg, parallel_cfg, params_dtype, pre_process=True, post_process=True,
       deterministic=False)`` -> ``models.base.MultimodalModel`` (this pipeline stage's part).
@@ -48,6 +64,8 @@ class ModelFamily:
     - ``activation_bytes_per_token(m, layout)`` -> {layer kind: bytes of saved activations per
       token of one decoder layer of that kind}; ``layout`` has ``tp`` and ``sequence_parallel``.
     - ``vision_bytes_per_patch(m)`` -> bytes of saved activations per image patch in the encoder.
+    - ``recompute_modules``: the ``train.recompute_modules`` entries its layers have (others are
+      refused at start-up); the default is what every attention layer has.
     - ``recompute_mixers()`` -> the token-mixer classes whose blocks ``train.recompute_modules``
       ``gdn_qkv`` / ``gdn_norm_out`` checkpoint (multimodal/performance/recompute.py). Such a mixer has
       ``in_proj``, ``prepare(hidden, cu_seqlens, varlen)`` and ``norm_out(core, z)``; a family
@@ -55,10 +73,16 @@ class ModelFamily:
     """
 
     name: str
+    config_class: type
     build: Callable
     training_flops: Callable[..., float]
     stage_params: Callable[..., StageParams]
     model_params: Callable[..., tuple[int, int]]
     activation_bytes_per_token: Callable[..., dict[str, float]]
     vision_bytes_per_patch: Callable[..., float]
+    position_ids: Callable
+    validate: Callable[..., None] = lambda m, p: None
+    config_from_hf: Callable | None = None
+    vision_graph_buckets: Callable[[int, int], list[int]] | None = None
+    recompute_modules: tuple[str, ...] = ("core_attn", "layernorm")
     recompute_mixers: Callable[[], Iterable[type]] = lambda: ()

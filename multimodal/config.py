@@ -18,9 +18,11 @@ from typing import Any
 import yaml
 
 from core.errors import ConfigError  # noqa: F401 - re-exported: callers import it from here
-# the model and parallel sections live below the trainer, beside the model builder that reads them
+# the model and parallel sections live below the trainer, beside the model builder that reads them;
+# the model section's class is the one of the family model.name names (models.MODEL_REGISTRY)
+from models import DEFAULT_MODEL, get_model_family
+from models.common.model_config import ModelConfig
 from models.common.parallel_config import ParallelConfig
-from models.qwen35_vl.config import ModelConfig
 
 
 @dataclass
@@ -107,10 +109,10 @@ class TrainConfig:
     # Rows with more samples than cuda_graph_max_samples run eagerly (counted).
     cuda_graphs: bool = False
     cuda_graph_max_samples: int = 64  # per packed row (decoder) and images per micro-batch (vision)
-    # The vision encoder too (models/qwen35_vl/vision_graphs.py): its input padded up to a bucket
-    # of patches (multiples of this many up to 8 of them, then 8 sizes per doubling: at most 1/8
-    # padding), one graph pair per bucket, at most cuda_graph_vision_max_buckets of them (further
-    # sizes run eagerly, counted). 0 = the vision encoder stays eager.
+    # The vision encoder too (where its family has graphs: models/qwen35_vl/vision_graphs.py): its
+    # input padded up to a bucket of patches (multiples of this many up to 8 of them, then 8 sizes
+    # per doubling: at most 1/8 padding), one graph pair per bucket, at most
+    # cuda_graph_vision_max_buckets of them (further sizes run eagerly, counted). 0 = eager.
     cuda_graph_vision_bucket: int = 1024
     cuda_graph_vision_max_buckets: int = 24
     # Capture every vision bucket up to this many patches at the first micro-batch, so no later
@@ -206,7 +208,7 @@ class LoggingConfig:
 
 @dataclass
 class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig = field(default_factory=lambda: get_model_family(DEFAULT_MODEL).config_class())
     data: DataConfig = field(default_factory=DataConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -273,8 +275,18 @@ def _build(cls: type, raw: Any, where: str):
         raise ConfigError(f"unknown config key(s): {bad}; valid keys here: {sorted(names)}")
     kwargs = {}
     for name, value in raw.items():
-        kwargs[name] = _coerce(hints[name], value, f"{where}{name}")
+        tp = _model_section_class(value) if cls is Config and name == "model" else hints[name]
+        kwargs[name] = _coerce(tp, value, f"{where}{name}")
     return cls(**kwargs)
+
+
+def _model_section_class(raw: Any) -> type:
+    """The dataclass of the family that the ``model`` section's ``name`` names (default: DEFAULT_MODEL)."""
+    name = raw.get("name", DEFAULT_MODEL) if isinstance(raw, dict) else DEFAULT_MODEL
+    try:
+        return get_model_family(name).config_class
+    except KeyError as e:
+        raise ConfigError(e.args[0]) from None
 
 
 def _coerce(tp: Any, value: Any, where: str):
@@ -337,7 +349,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
         ("train.global_batch_size", t.global_batch_size), ("train.seq_length", t.seq_length),
         ("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp), ("parallel.ep", p.ep),
         ("logging.interval", cfg.logging.interval), ("model.num_layers", m.num_layers),
-        ("model.hidden_size", m.hidden_size), ("model.full_attention_interval", m.full_attention_interval),
+        ("model.hidden_size", m.hidden_size),
         ("optimizer.overlap_step_pieces", o.overlap_step_pieces),
     ]:
         _require(value >= 1, f"{name} must be >= 1, got {value}")
@@ -354,10 +366,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
                  f"model.vision.spatial_merge_size^2 = {merge2}, got {t.cuda_graph_vision_bucket}")
         _require(t.cuda_graph_vision_max_buckets >= 1, "train.cuda_graph_vision_max_buckets must be >= 1")
         _require(t.cuda_graph_vision_warmup_patches >= 0, "train.cuda_graph_vision_warmup_patches must be >= 0")
-        if t.cuda_graph_vision_warmup_patches and t.cuda_graph_vision_bucket:
-            from models.qwen35_vl.vision_graphs import bucket_sizes
-
-            n = len(bucket_sizes(t.cuda_graph_vision_warmup_patches, t.cuda_graph_vision_bucket))
+        buckets = get_model_family(m.name).vision_graph_buckets
+        if t.cuda_graph_vision_warmup_patches and t.cuda_graph_vision_bucket and buckets is not None:
+            n = len(buckets(t.cuda_graph_vision_warmup_patches, t.cuda_graph_vision_bucket))
             _require(n <= t.cuda_graph_vision_max_buckets,
                      f"train.cuda_graph_vision_warmup_patches={t.cuda_graph_vision_warmup_patches} needs {n} vision "
                      f"buckets, more than train.cuda_graph_vision_max_buckets={t.cuda_graph_vision_max_buckets}; "
@@ -377,6 +388,9 @@ def validate(cfg: Config, world_size: int = 1) -> None:
 
         why = check_modules(t.recompute_modules, p.cp)
         _require(why is None, f"train.recompute_modules: {why}")
+        has = get_model_family(m.name).recompute_modules
+        lacking = [name for name in t.recompute_modules if name not in has]
+        _require(not lacking, f"train.recompute_modules: model.name={m.name} has no {lacking}; choose from {list(has)}")
     _require(cfg.logging.memory_snapshot_step >= 1,
              f"logging.memory_snapshot_step must be >= 1 (the step after which the snapshot is written), "
              f"got {cfg.logging.memory_snapshot_step}")
@@ -463,13 +477,10 @@ def validate(cfg: Config, world_size: int = 1) -> None:
                  f"model.num_layers ({m.num_layers}) must be divisible by parallel.pp ({p.pp}) (every "
                  "pipeline stage gets num_layers/pp decoder layers); choose a pp that divides it")
 
-    _require(m.gdn_pre_impl in ("auto", "fused", "unfused"),
-             f"model.gdn_pre_impl must be auto|fused|unfused, got {m.gdn_pre_impl!r}")
     validate_layout(m, p)
     if p.moe_a2a_overlap:
         validate_moe_a2a_overlap(cfg)
     v = m.vision
-    _require(v.hidden_size % v.num_heads == 0, "model.vision.hidden_size must be divisible by model.vision.num_heads")
     unit = v.patch_size * v.spatial_merge_size
     _require(d.min_image_side % unit == 0 and d.max_image_side % unit == 0,
              f"data.min_image_side/max_image_side must be multiples of patch_size*spatial_merge_size = {unit}")
@@ -501,7 +512,8 @@ def validate_eval(t: TrainConfig, d: DataConfig) -> None:
 
 
 def validate_layout(m: ModelConfig, p: ParallelConfig) -> None:
-    """The model's shapes against the parallel layout (heads, groups, experts divide)."""
+    """The model's shapes against the parallel layout: the attention heads every family has here,
+    then the family's own rules (``ModelFamily.validate``: its mixers, experts, kernels)."""
     _require(m.num_attention_heads % m.num_query_groups == 0,
              f"model.num_attention_heads ({m.num_attention_heads}) must be a multiple of "
              f"model.num_query_groups ({m.num_query_groups})")
@@ -512,22 +524,9 @@ def validate_layout(m: ModelConfig, p: ParallelConfig) -> None:
     _require(m.num_attention_heads % (p.tp * p.cp) == 0,
              f"model.num_attention_heads ({m.num_attention_heads}) must be divisible by parallel.tp*cp "
              f"({p.tp * p.cp}): context parallelism gives each rank heads/(tp*cp) heads of the whole sequence")
-    for name in ("linear_num_key_heads", "linear_num_value_heads"):
-        _require(getattr(m, name) % (p.tp * p.cp) == 0,
-                 f"model.{name} ({getattr(m, name)}) must be divisible by parallel.tp*cp ({p.tp * p.cp})")
-    _require(m.linear_num_value_heads % m.linear_num_key_heads == 0,
-             "model.linear_num_value_heads must be a multiple of model.linear_num_key_heads")
-    rot = int(m.head_dim * m.partial_rotary_factor)
-    _require(rot % 2 == 0 and sum(m.mrope_section) == rot // 2,
-             f"model.mrope_section {m.mrope_section} must sum to head_dim*partial_rotary_factor/2 = {rot // 2}")
-    if m.num_experts:
-        _require(m.num_experts % p.ep == 0,
-                 f"model.num_experts ({m.num_experts}) must be divisible by parallel.ep ({p.ep})")
-        _require(1 <= m.moe_router_topk <= m.num_experts, "model.moe_router_topk must be in [1, num_experts]")
-        _require(m.moe_token_dispatcher in ("alltoall", "allgather"),
-                 "model.moe_token_dispatcher must be alltoall|allgather")
-    else:
+    if not m.num_experts:
         _require(p.ep == 1, "parallel.ep > 1 needs an MoE model (model.num_experts > 0)")
+    get_model_family(m.name).validate(m, p)
 
 
 def validate_moe_a2a_overlap(cfg: Config) -> None:
@@ -539,8 +538,8 @@ def validate_moe_a2a_overlap(cfg: Config) -> None:
              f"{why} needs an MoE model (model.num_experts > 0); set parallel.moe_a2a_overlap=false")
     _require(p.ep > 1, f"{why} hides the expert-parallel all-to-all, which exists only with parallel.ep > 1 "
                        f"(got {p.ep}); set parallel.ep >= 2 or parallel.moe_a2a_overlap=false")
-    _require(m.moe_token_dispatcher == "alltoall",
-             f"{why} needs model.moe_token_dispatcher=alltoall (got {m.moe_token_dispatcher!r})")
+    dispatcher = getattr(m, "moe_token_dispatcher", None)  # a family's MoE field, where it has one
+    _require(dispatcher == "alltoall", f"{why} needs model.moe_token_dispatcher=alltoall (got {dispatcher!r})")
     # 'auto' is bf16 on a GPU; the model builder refuses it where it resolves to fp32 (no GPU)
     _require(t.precision != "fp32", f"{why} needs bf16 (megatron supports the overlap for bf16/fp16 models "
                                     "only); set train.precision=bf16 (or auto on a GPU)")
@@ -558,9 +557,10 @@ def resolve_sources(cfg: Config) -> Config:
     """Fill what the recipe delegates to files: the architecture from ``model.hf_config`` and the
     special token ids from ``data.tokenizer`` (never guessed). Idempotent; call before validate."""
     if cfg.model.hf_config:
-        from models.qwen35_vl.hf import model_config_from_hf
-
-        cfg.model = model_config_from_hf(cfg.model.hf_config, base=cfg.model)
+        read = get_model_family(cfg.model.name).config_from_hf
+        _require(read is not None, f"model.hf_config: model.name={cfg.model.name} has no Hugging Face config "
+                                   "reader; set model.hf_config=null and give the architecture in the recipe")
+        cfg.model = read(cfg.model.hf_config, cfg.model)
     if cfg.data.tokenizer:
         from data.chat import special_token_ids
         from data.loader import load_tokenizer

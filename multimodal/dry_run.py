@@ -134,19 +134,13 @@ def check_layout(cfg: Config, world_size: int) -> tuple[Layout, list[str]]:
              f"model.num_attention_heads / parallel.tp ({heads_per_tp}) must be divisible by "
              f"parallel.cp ({p.cp}) for head-parallel (all-to-all) context parallelism; lower parallel.cp "
              "or parallel.tp")
-    qkv_out = 2 * m.num_attention_heads * m.head_dim + 2 * m.num_query_groups * m.head_dim
-    _require(qkv_out % p.tp == 0, f"the fused q|gate|k|v projection ({qkv_out}) must be divisible by parallel.tp")
+    # (the family's own shapes, e.g. its fused projections and experts against tp, were checked by
+    # validate_layout above: ModelFamily.validate)
     _require(m.num_experts or m.ffn_hidden_size % p.tp == 0,
              f"model.ffn_hidden_size ({m.ffn_hidden_size}) must be divisible by parallel.tp ({p.tp})")
-    etp = p.tp
+    etp = p.tp  # expert-TP = tp (megatron's default)
     edp = 1
     if m.num_experts:
-        _require(m.moe_ffn_hidden_size % etp == 0,
-                 f"model.moe_ffn_hidden_size ({m.moe_ffn_hidden_size}) must be divisible by the expert "
-                 f"tensor-parallel size (= parallel.tp = {etp})")
-        _require(m.moe_shared_expert_intermediate_size % p.tp == 0,
-                 f"model.moe_shared_expert_intermediate_size ({m.moe_shared_expert_intermediate_size}) "
-                 f"must be divisible by parallel.tp ({p.tp})")
         _require((dp * p.cp) % p.ep == 0,
                  f"parallel.ep ({p.ep}) must divide data-parallel x context-parallel ({dp} x {p.cp} = {dp * p.cp}): "
                  "experts are spread over the ranks that share one tensor/pipeline shard; "

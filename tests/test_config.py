@@ -120,3 +120,39 @@ def test_sft_recipe_validates_and_dry_runs_with_its_placeholders_filled(tmp_path
     with pytest.raises(ConfigError, match="data.valid_path"):  # the validation file is required
         validate(load_config(path, [f"data.path={tmp_path / 'train.jsonl'}", "data.valid_path=null",
                                     f"data.tokenizer={tmp_path / 'tok'}"]))
+
+
+TINY = "tests/fixtures/tiny_dense_vl.yaml"
+
+
+def test_model_section_is_read_into_the_class_of_its_family():
+    """model.name picks the dataclass: each family's own fields are known to it alone."""
+    from models import get_model_family
+
+    qwen, tiny = load_config(PROXY).model, load_config(TINY).model
+    assert type(qwen) is get_model_family("qwen35_vl").config_class
+    assert type(tiny) is get_model_family("tiny_dense_vl").config_class
+    assert type(load_config(None).model) is type(qwen)  # no model.name: the default family
+    validate(load_config(TINY), world_size=1)
+    # a Qwen3.5 field in the tiny model's section is an unknown key, named with its section
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\): model\.linear_num_key_heads; valid keys"):
+        load_config(TINY, ["model.linear_num_key_heads=4"])
+    # switching the family on the command line switches the section's class: the Qwen recipe's
+    # own fields are then refused, by name
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\): model\.full_attention_interval, "):
+        load_config(PROXY, ["model.name=tiny_dense_vl"])
+    with pytest.raises(ConfigError, match=r"^model\.name 'llama' is not registered; known: \['qwen35_vl', "):
+        load_config(PROXY, ["model.name=llama"])
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["model.num_experts=4"], "model.num_experts=4: tiny_dense_vl has a dense MLP only"),
+    (["model.lora.rank=4"], "tiny_dense_vl has no LoRA adapters"),
+    (["train.recompute_modules=[gdn_qkv]"], r"model.name=tiny_dense_vl has no \['gdn_qkv'\]; choose from"),
+    (["model.hf_config=/nonexistent"], "model.name=tiny_dense_vl has no Hugging Face config reader"),
+])
+def test_family_rules_refuse_what_the_family_lacks(overrides, needle):
+    from multimodal.config import resolve_sources
+
+    with pytest.raises(ConfigError, match=needle):
+        validate(resolve_sources(load_config(TINY, overrides)), world_size=1)

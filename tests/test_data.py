@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from data.collate import pack_thd, pad_bshd
-from models.qwen35_vl.vision_patches import patchify
+from models.common.vision_patches import patchify
 from data.loader import MicroBatchIterator, build_dataset
 from data.mock import MockDataset
 from models.qwen35_vl.mrope import mrope_position_ids

@@ -25,10 +25,12 @@ from multimodal.config import ConfigError, load_config  # noqa: E402
 from multimodal.dry_run import check_layout, model_params, stage_params  # noqa: E402
 
 DENSE, MOE = "configs/qwen35_vl_proxy.yaml", "configs/qwen35_vl_proxy_moe.yaml"
+TINY = "tests/fixtures/tiny_dense_vl.yaml"  # the registry's second family (models/tiny_dense_vl/)
 BIG = ["configs/qwen35_vl_9b.yaml", "configs/qwen35_vl_35b_a3b.yaml", "configs/qwen35_vl_397b_a17b.yaml"]
 # (recipe, tp, pp, ep) built by the 2-process worker; every layout uses both ranks
 MP_LAYOUTS = [(DENSE, 2, 1, 1), (DENSE, 1, 2, 1), (MOE, 2, 1, 1), (MOE, 1, 1, 2), (MOE, 1, 2, 1),
-              (DENSE, 1, 2, 1, "model.tie_word_embeddings=false")]
+              (DENSE, 1, 2, 1, "model.tie_word_embeddings=false"), (TINY, 2, 1, 1),
+              (TINY, 1, 2, 1, "model.tie_word_embeddings=false")]
 
 
 def _env():
@@ -46,7 +48,7 @@ def _cli(*args):
 # ---------------------------------------------------------------- counts vs the real model
 
 
-@pytest.mark.parametrize("path", [DENSE, MOE])
+@pytest.mark.parametrize("path", [DENSE, MOE, TINY])
 def test_count_equals_real_model_single_rank(mcore, path):
     import torch
 
@@ -189,6 +191,19 @@ def test_big_recipe_dry_run_passes(path):
     assert "stages" in out and "OK: layout valid" in out
     world = load_config(path).parallel.world_size
     assert f"world size {world}" in out
+
+
+def test_dry_run_of_the_second_family_counts_its_own_layers():
+    """tiny_dense_vl's dry run: its counts, its one layer kind, no MoE line; its own rules refuse."""
+    proc = _cli("--config", TINY, "--dry-run", "parallel.tp=2", "parallel.pp=2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "tiny_dense_vl, world size 4" in proc.stdout and "OK: layout valid" in proc.stdout
+    m = load_config(TINY).model
+    assert f"total {model_params(m)[0] / 1e6:.1f}M" in proc.stdout
+    assert re.search(r"^  1\s+1a\s", proc.stdout, re.M)  # stage 1: one attention layer
+    assert "active per token" not in proc.stdout
+    proc = _cli("--config", TINY, "--dry-run", "model.num_experts=4")
+    assert proc.returncode == 2 and "tiny_dense_vl has a dense MLP only" in proc.stderr, proc.stderr
 
 
 def test_dry_run_reports_a_layout_that_does_not_fit():

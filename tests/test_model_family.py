@@ -15,6 +15,7 @@ from models.family import ModelFamily, StageParams
 def _fake_family() -> ModelFamily:
     return ModelFamily(
         name="fake",
+        config_class=SimpleNamespace,
         build=lambda *a, **k: "built",
         training_flops=lambda m, lengths, grids, lm_head_tokens=None: 7.0 * sum(lengths),
         stage_params=lambda m, tp=1, pp=1, ep=1, stage=0: StageParams(stage, {"mixer": 2},
@@ -22,6 +23,7 @@ def _fake_family() -> ModelFamily:
         model_params=lambda m: (16, 16),
         activation_bytes_per_token=lambda m, lay: {"mixer": 1.0},
         vision_bytes_per_patch=lambda m: 0.0,
+        position_ids=lambda ids, grids, image_token_id, merge: None,
     )
 
 
@@ -45,7 +47,7 @@ def test_an_unknown_name_is_a_one_line_error():
     with pytest.raises(KeyError) as err:
         get_model_family("llama")
     msg = err.value.args[0]
-    assert msg == "model.name 'llama' is not registered; known: ['qwen35_vl']" and "\n" not in msg
+    assert msg == "model.name 'llama' is not registered; known: ['qwen35_vl', 'tiny_dense_vl']" and "\n" not in msg
 
 
 def test_qwen35_vl_is_registered_with_its_family():

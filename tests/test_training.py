@@ -54,6 +54,16 @@ def test_proxy_recipe_loss_falls_and_metrics_are_complete(tmp_path):
     assert list((tmp_path / "tensorboard").iterdir())
 
 
+def test_second_family_trains_through_the_same_entry_point(tmp_path):
+    """models/tiny_dense_vl (no GDN, MRoPE or MoE; one registry line) trains on the mock data: the
+    answers are readable only from the pixels, so a falling loss needs its vision path too."""
+    rows = _train(tmp_path, config="tests/fixtures/tiny_dense_vl.yaml")
+    assert sorted(rows) == list(range(1, 21))
+    first, last = rows[1]["loss"], rows[20]["loss"]
+    assert last < 0.5 * first, (first, last)
+    assert rows[20]["tflops_per_gpu"] > 0  # its family counted the FLOPs
+
+
 @pytest.mark.parametrize("optimizer", [["optimizer.flat=null"], ["optimizer.flat=true"],
                                        ["optimizer.flat=true", "optimizer.overlap_step=true"]])
 def test_resume_reproduces_the_uninterrupted_run(tmp_path, optimizer):

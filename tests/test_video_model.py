@@ -10,7 +10,7 @@ import torch
 
 from hf_fixtures import make_hf_checkpoint  # tests/ is on sys.path (conftest)
 from models.qwen35_vl.mrope import mrope_position_ids, split_video_grids
-from models.qwen35_vl.vision_patches import patchify, patchify_frames
+from models.common.vision_patches import patchify, patchify_frames
 
 
 def _inputs(m, g: torch.Generator):

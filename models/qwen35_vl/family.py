@@ -1,15 +1,37 @@
-"""Qwen3.5-VL as the trainer sees it: its ``models.family.ModelFamily`` (the registry entry)."""
+"""Qwen3.5-VL as the trainer sees it: its ``models.family.ModelFamily`` (the registry entry).
+
+Imports no torch: the pieces that need it are imported when called."""
 
 from __future__ import annotations
 
 from models.family import ModelFamily
 from models.qwen35_vl import flops, param_counts
+from models.qwen35_vl.config import ModelConfig
+from models.qwen35_vl.validate import validate
 
 
 def _build(*args, **kwargs):
     from models.qwen35_vl.model import build  # torch + megatron: imported when a model is built
 
     return build(*args, **kwargs)
+
+
+def _position_ids(*args):
+    from models.qwen35_vl.mrope import mrope_position_ids
+
+    return mrope_position_ids(*args)
+
+
+def _config_from_hf(path, base):
+    from models.qwen35_vl.hf import model_config_from_hf
+
+    return model_config_from_hf(path, base=base)
+
+
+def _vision_graph_buckets(max_patches: int, unit: int) -> list[int]:
+    from models.qwen35_vl.vision_graphs import bucket_sizes
+
+    return bucket_sizes(max_patches, unit)
 
 
 def _recompute_mixers() -> tuple[type, ...]:
@@ -20,11 +42,17 @@ def _recompute_mixers() -> tuple[type, ...]:
 
 FAMILY = ModelFamily(
     name="qwen35_vl",
+    config_class=ModelConfig,
     build=_build,
     training_flops=flops.training_flops,
     stage_params=param_counts.stage_params,
     model_params=param_counts.model_params,
     activation_bytes_per_token=param_counts.activation_bytes_per_token,
     vision_bytes_per_patch=param_counts.vision_bytes_per_patch,
+    position_ids=_position_ids,
+    validate=validate,
+    config_from_hf=_config_from_hf,
+    vision_graph_buckets=_vision_graph_buckets,
+    recompute_modules=("core_attn", "layernorm", "shared_experts", "gdn_qkv", "gdn_norm_out", "moe_act"),
     recompute_mixers=_recompute_mixers,
 )

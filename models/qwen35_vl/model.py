@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
@@ -13,6 +12,7 @@ from core.errors import ConfigError
 from kernels.rotary import axis_of_frequency, inverse_frequencies, mrope_angles
 from models.base import MultimodalModel
 from models.common import norms, swiglu
+from models.common.language_model import FusedLossGPTModel
 from models.common.moe_aux_loss import use_group_mean_token_count
 from models.common.moe_dispatch import GroupedDispatcher
 from models.common.moe_nvtx import add_moe_nvtx_ranges
@@ -25,7 +25,7 @@ from models.qwen35_vl.vision import VisionEncoder
 FUSED_KERNELS_BY_DEFAULT = True  # what model.fused_mrope=null / gdn_pre_impl=auto pick on GPU
 
 
-class Qwen35LanguageModel(GPTModel):
+class Qwen35LanguageModel(FusedLossGPTModel):
     """GPTModel whose rotary embedding is Qwen3.5's interleaved MRoPE from 3-D position ids."""
 
     # set by build() from model.fused_mrope: attention then gets the position ids, not angles
@@ -41,36 +41,6 @@ class Qwen35LanguageModel(GPTModel):
             if isinstance(mod, attn_mod.MRopeSelfAttention):
                 mod.mrope_section, mod.mrope_interleaved = tuple(mrope_section), interleaved
                 mod.register_buffer("mrope_inv_freq", self.mrope_inv_freq.clone(), persistent=False)
-
-    # Loss through kernels.fused_linear_ce (no [tokens, vocab] logits); set by build() from
-    # model.fused_linear_ce. False keeps megatron's output layer + vocab_parallel_cross_entropy.
-    fused_linear_ce: bool = False
-    # How the fused LM head hands back its weight gradient: "autograd", or into main_grad
-    # ("main_grad" / "main_grad_only"), set by models/performance/wgrad_fusion.enable
-    lm_head_grad: str = "autograd"
-
-    def lm_head_weight(self) -> torch.Tensor:
-        """Tied: the (vocab-parallel) embedding weight; untied: the output layer's. Both are
-        [V/TP, H] shards along the vocabulary, as vocab_parallel_cross_entropy expects."""
-        return (self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights
-                else self.output_layer.weight)
-
-    def _postprocess(self, hidden_states, **kwargs):
-        from megatron.core.inference.utils import InferenceMode  # noqa: PLC0415
-
-        labels = kwargs.get("labels")
-        if (not self.fused_linear_ce or not self.post_process or labels is None or self.mtp_process
-                or kwargs.get("output_processor") is not None or InferenceMode.is_active()
-                or self.config.use_mup):
-            return super()._postprocess(hidden_states=hidden_states, **kwargs)
-        from kernels.fused_linear_ce import vocab_parallel_linear_cross_entropy  # noqa: PLC0415
-
-        weight = self.lm_head_weight()
-        # model.sparse_lm_head: forward_step put the loss tokens' indices on packed batches
-        index = getattr(kwargs.get("packed_seq_params"), "loss_token_index", None)
-        return vocab_parallel_linear_cross_entropy(
-            hidden_states, weight, labels, tp_group=self.tp_group,
-            sequence_parallel=self.output_layer.sequence_parallel, token_index=index, weight_grad=self.lm_head_grad)
 
     def _preprocess(self, input_ids, position_ids, *args, **kwargs):
         out = list(super()._preprocess(input_ids, position_ids, *args, **kwargs))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from models.qwen35_vl.vision_patches import patchify
+from models.common.vision_patches import patchify
 from models.qwen35_vl.hf import hf_to_ours, load_hf_state_dict, model_config_from_hf, ours_to_hf
 from models.qwen35_vl.mrope import mrope_position_ids
 from models.common.parallel_config import ParallelConfig

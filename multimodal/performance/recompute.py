@@ -46,10 +46,13 @@ def check_modules(modules: list[str], cp: int = 1) -> str | None:
 def sweep_choices(model_cfg) -> list[list[str]]:
     """The recompute choices a memory sweep compares: none, each module this model has alone,
     then all of them together."""
-    choices = [[], ["layernorm"], ["gdn_qkv"], ["gdn_norm_out"], ["core_attn"]]
-    if model_cfg.num_experts:
+    from models import get_model_family
+
+    has = get_model_family(model_cfg.name).recompute_modules
+    choices = [[], *([name] for name in ("layernorm", "gdn_qkv", "gdn_norm_out", "core_attn") if name in has)]
+    if model_cfg.num_experts and "moe_act" in has:
         choices.append(["moe_act"])
-    if model_cfg.num_experts and model_cfg.moe_shared_expert_intermediate_size:
+    if model_cfg.num_experts and getattr(model_cfg, "moe_shared_expert_intermediate_size", 0) and "shared_experts" in has:
         choices.append(["shared_experts"])
     choices.append(sorted({m for c in choices for m in c}))
     return choices

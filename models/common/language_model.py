@@ -1,0 +1,39 @@
+"""megatron-core's GPTModel with the LM loss through kernels/fused_linear_ce.py: the decoder every
+family builds on (its rotary embedding is the family's, in ``_preprocess``)."""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.models.gpt import GPTModel
+
+
+class FusedLossGPTModel(GPTModel):
+    # Loss through kernels.fused_linear_ce (no [tokens, vocab] logits); set by the family's build
+    # from model.fused_linear_ce. False keeps megatron's output layer + vocab_parallel_cross_entropy.
+    fused_linear_ce: bool = False
+    # How the fused LM head hands back its weight gradient: "autograd", or into main_grad
+    # ("main_grad" / "main_grad_only"), set by models/performance/wgrad_fusion.enable
+    lm_head_grad: str = "autograd"
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """Tied: the (vocab-parallel) embedding weight; untied: the output layer's. Both are
+        [V/TP, H] shards along the vocabulary, as vocab_parallel_cross_entropy expects."""
+        return (self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights
+                else self.output_layer.weight)
+
+    def _postprocess(self, hidden_states, **kwargs):
+        from megatron.core.inference.utils import InferenceMode  # noqa: PLC0415
+
+        labels = kwargs.get("labels")
+        if (not self.fused_linear_ce or not self.post_process or labels is None or self.mtp_process
+                or kwargs.get("output_processor") is not None or InferenceMode.is_active()
+                or self.config.use_mup):
+            return super()._postprocess(hidden_states=hidden_states, **kwargs)
+        from kernels.fused_linear_ce import vocab_parallel_linear_cross_entropy  # noqa: PLC0415
+
+        weight = self.lm_head_weight()
+        # model.sparse_lm_head: forward_step put the loss tokens' indices on packed batches
+        index = getattr(kwargs.get("packed_seq_params"), "loss_token_index", None)
+        return vocab_parallel_linear_cross_entropy(
+            hidden_states, weight, labels, tp_group=self.tp_group,
+            sequence_parallel=self.output_layer.sequence_parallel, token_index=index, weight_grad=self.lm_head_grad)
