@@ -51,7 +51,6 @@ from data.image import image_patches, open_image, smart_resize
 from data.record_sources import RecordSourceError, open_records
 from data.video import frame_timestamps, decode_video, video_patches
 from models import get_model_family
-from models.qwen35_vl.mrope import split_video_grids
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +117,9 @@ class ConversationsDataset(torch.utils.data.Dataset):
         self.system_prompt = data_cfg.system_prompt
         v = model_cfg.vision
         self.patch, self.tp, self.merge = v.patch_size, v.temporal_patch_size, v.spatial_merge_size
-        self.position_ids = get_model_family(model_cfg.name).position_ids  # e.g. MRoPE's 3-D ids
+        family = get_model_family(model_cfg.name)
+        self.position_ids = family.position_ids  # e.g. MRoPE's 3-D ids
+        self.video_position_grids = family.video_position_grids  # e.g. a run per temporal group
         self.min_pixels, self.max_pixels = data_cfg.min_pixels, data_cfg.max_pixels
         self.image_mean, self.image_std = tuple(data_cfg.image_mean), tuple(data_cfg.image_std)
         self.video_fps, self.video_frames = data_cfg.video_fps, (data_cfg.video_min_frames, data_cfg.video_max_frames)
@@ -271,7 +272,7 @@ class ConversationsDataset(torch.utils.data.Dataset):
         # every image and video, in the order they appear: what the vision encoder reads
         grids = torch.stack([v[2] for v in visuals]) if visuals else none
         # the runs of vision tokens MRoPE places: a video's temporal groups are separate runs
-        runs = [v[2][None] if v[0] == "image" else split_video_grids(v[2]) for v in visuals]
+        runs = [v[2][None] if v[0] == "image" else self.video_position_grids(v[2]) for v in visuals]
         vision_ids = tuple(self.ids[k] for k in ("image_token_id", "video_token_id") if k in self.ids)
         return {
             "input_ids": input_ids,

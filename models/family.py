@@ -46,6 +46,9 @@ class ModelFamily:
     - ``position_ids(input_ids, image_grid_thw, image_token_id, spatial_merge_size)`` -> the
       position ids [3, L] of one sample, built by the data pipeline (a 1-D rotary model repeats
       its positions on the three rows).
+    - ``video_position_grids(video_grid_thw)`` -> the grids whose runs of video tokens
+      ``position_ids`` places, one video's (t, h, w) at a time (Qwen3-VL: t grids of (1, h, w), one
+      per temporal group, each run between timestamp text); the default keeps the grid whole.
     - ``config_from_hf(path, base)`` -> ``config_class`` read from a Hugging Face config.json, the
       non-architecture fields taken from ``base`` (``model.hf_config``); None: no reader.
     - ``vision_graph_buckets(max_patches, unit)`` -> the sizes of the vision encoder's CUDA graph
@@ -82,6 +85,7 @@ class ModelFamily:
     vision_bytes_per_patch: Callable[..., float]
     position_ids: Callable
     validate: Callable[..., None] = lambda m, p: None
+    video_position_grids: Callable = lambda grid: grid.reshape(-1, 3)
     config_from_hf: Callable | None = None
     vision_graph_buckets: Callable[[int, int], list[int]] | None = None
     recompute_modules: tuple[str, ...] = ("core_attn", "layernorm")

@@ -16,6 +16,12 @@ def _build(*args, **kwargs):
     return build(*args, **kwargs)
 
 
+def _video_position_grids(grid):
+    from models.qwen35_vl.mrope import split_video_grids
+
+    return split_video_grids(grid)
+
+
 def _position_ids(*args):
     from models.qwen35_vl.mrope import mrope_position_ids
 
@@ -50,6 +56,7 @@ FAMILY = ModelFamily(
     activation_bytes_per_token=param_counts.activation_bytes_per_token,
     vision_bytes_per_patch=param_counts.vision_bytes_per_patch,
     position_ids=_position_ids,
+    video_position_grids=_video_position_grids,
     validate=validate,
     config_from_hf=_config_from_hf,
     vision_graph_buckets=_vision_graph_buckets,
