@@ -44,7 +44,7 @@ class MockDataset(torch.utils.data.Dataset):
         # Ordinary text ids lie below every special token; the two just below them are the
         # role headers (real tokenizers put their special ids at the top of the vocabulary).
         m = model_cfg
-        lowest_special = min(m.image_token_id, m.vision_start_token_id, m.vision_end_token_id,
+        lowest_special = min(m.image_token_id, m.video_token_id, m.vision_start_token_id, m.vision_end_token_id,
                              m.im_start_token_id, m.im_end_token_id, m.eos_token_id, m.pad_token_id)
         self.user_id, self.assistant_id = lowest_special - 2, lowest_special - 1
         self.text_vocab = lowest_special - 2

@@ -489,6 +489,11 @@ def validate(cfg: Config, world_size: int = 1) -> None:
                m.im_end_token_id, m.eos_token_id, m.pad_token_id]
     _require(all(0 <= s < m.vocab_size for s in special),
              f"special token ids {special} must lie inside model.vocab_size ({m.vocab_size})")
+    # a tokenizer keeps its special ids together; a video id far from the image id is the default
+    # left behind in a recipe with a real vocabulary, where it is an ordinary text token
+    _require(abs(m.video_token_id - m.image_token_id) < 256,
+             f"model.video_token_id={m.video_token_id} is far from model.image_token_id={m.image_token_id}; set it "
+             "to the tokenizer's <|video_pad|> id (Qwen3.5: 248057) or read the model from model.hf_config")
 
 
 def validate_eval(t: TrainConfig, d: DataConfig) -> None:

@@ -360,3 +360,20 @@ def test_bench_loader_times_real_image_files():
     assert r["images"] == 4 and r["images_per_s_per_worker"] > 0 and 0 < r["decode_share"] < 1
     # every image lands in [min_pixels, max_pixels]: 4 to 16 patches of 16 px
     assert 4 <= r["mean_patches_per_image"] <= 16
+
+
+def test_mock_text_never_holds_a_special_id_of_a_real_vocabulary():
+    """Mock text ids lie below every special id, the video placeholder's included: with the 2B
+    recipe's ids a stray placeholder in the text would not match the sample's vision grids."""
+    from multimodal.config import load_config
+
+    cfg = load_config("configs/qwen35_vl_2b.yaml", ["data.max_image_side=224", "data.min_image_side=224",
+                                                   "train.seq_length=512", "data.min_text_tokens=64",
+                                                   "data.max_text_tokens=256"])
+    m = cfg.model
+    ds = MockDataset(m, cfg.data, cfg.train.seq_length)
+    for i in range(8):
+        ids = ds[i]["input_ids"]
+        assert not (ids == m.video_token_id).any()
+        image_tokens = int((ids == m.image_token_id).sum())
+        assert image_tokens == int(ds[i]["image_grid_thw"].prod(-1).sum()) // m.vision.spatial_merge_size**2

@@ -46,3 +46,13 @@ def test_cli_prints_one_line_and_exits_2_for_bad_yaml(tmp_path):
     run = run_cli(tmp_path, config=str(bad), tiny=False)
     assert run.rc == 2
     assert run.last_line.startswith(f"error: {bad}:3:") and "Traceback" not in run.stderr, run.stderr[-2000:]
+
+
+def test_a_video_id_left_at_the_synthetic_default_is_refused():
+    """With a real vocabulary the synthetic default 1007 is an ordinary text token: counted as a
+    video placeholder it breaks every sample that contains it, so the recipe check names it.
+    Every released-size recipe sets the tokenizer's id."""
+    with pytest.raises(ConfigError, match=r"model.video_token_id=1007 is far from model.image_token_id=248056"):
+        validate(load_config("configs/qwen35_vl_2b.yaml", ["model.video_token_id=1007"]))
+    for recipe in ("2b", "2b_sft", "9b", "35b_a3b", "397b_a17b"):
+        assert load_config(f"configs/qwen35_vl_{recipe}.yaml").model.video_token_id == 248057
