@@ -85,7 +85,7 @@ def _one_sample(batch):
 
 
 def test_one_sample_rows_get_their_own_graphs(mcore, monkeypatch):
-    from models.qwen35_vl import attention as decoder_attention
+    from models.common import core_attention as decoder_attention
 
     model, ddp, batches = _setup()
     batches = [batches[0], _one_sample(batches[1]), batches[2], _one_sample(batches[1])]
