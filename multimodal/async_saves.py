@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import signal
 import threading
 import time
 
+import psutil
 import torch
 
 from multimodal import checkpointing
@@ -223,15 +225,12 @@ class AsyncSaves:
         self._previous_handler = None
 
     def reserve_staging(self, model, optimizer) -> None:
-        """Page-lock the first save's host buffers in the background (GPU runs; after the first
-        step, once the optimizer's moments exist). At most half the host memory free now, shared
-        by this node's ranks: past that the save locks the rest itself, as before."""
+        """Page-lock the first save's host buffers in the background (GPU runs; the trainer calls
+        it after step 2, when the optimizer's moments exist even with an overlapped update). At
+        most half the host memory free now, shared by this node's ranks: past that the save locks
+        the rest itself, as before."""
         if not torch.cuda.is_available():
             return
-        import os
-
-        import psutil
-
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         sizes = checkpoint_tensor_sizes(model, optimizer)
         cap = psutil.virtual_memory().available // (2 * local_ranks)
