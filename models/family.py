@@ -73,6 +73,22 @@ class ModelFamily:
       ``gdn_qkv`` / ``gdn_norm_out`` checkpoint (multimodal/performance/recompute.py). Such a mixer has
       ``in_proj``, ``prepare(hidden, cu_seqlens, varlen)`` and ``norm_out(core, z)``; a family
       without one returns ``()``. Called only when recompute is installed (it may import torch).
+    - ``packed_row_extras(cu_seqlens, device)`` -> {``models.common.packed_seq.PackedRowParams``
+      field: value} built once per packed micro-batch from its host cu_seqlens (the padded ones
+      when given) and handed to every layer (Qwen3.5: the GDN layers' chunk table,
+      ``gdn_varlen``); the default builds nothing.
+
+    - ``hf_adapter()`` -> the family's Hugging Face adapter (None: the family has none, and
+      scripts/convert_hf.py, hf_parity.py and bench_train.py's transformers half refuse it). It is
+      loaded when called (it imports torch) and has:
+      ``model_config_from_hf(path, base=None)``, ``hf_config_from_ours(m)`` (config.json content),
+      ``load_hf_state_dict(hf_dir)``, ``hf_to_ours(state, m)`` / ``ours_to_hf(state, m)`` (full,
+      unsharded state dicts), ``lora_to_hf(state, m)`` -> {HF module: (lora_A, lora_B)},
+      ``load_full_state_dict(model, state)``, ``run_parity(hf_dir, dtype, seed)`` -> the parity
+      report (with ``ok``), ``use_hf_torch_kernels()`` and ``HF_MODELING_MODULES`` (the
+      transformers modules of its architectures).
+    - ``hf_model_types``: the config.json ``model_type`` values ``hf_adapter`` reads (convert_hf
+      import picks the family by them).
     """
 
     name: str
@@ -90,3 +106,6 @@ class ModelFamily:
     vision_graph_buckets: Callable[[int, int], list[int]] | None = None
     recompute_modules: tuple[str, ...] = ("core_attn", "layernorm")
     recompute_mixers: Callable[[], Iterable[type]] = lambda: ()
+    packed_row_extras: Callable[..., dict] = lambda cu_seqlens, device: {}
+    hf_adapter: Callable[[], object] | None = None
+    hf_model_types: tuple[str, ...] = ()

@@ -1,4 +1,5 @@
-"""End-to-end training throughput: our trainer vs transformers' Qwen3.5(-MoE), same process, same GPU.
+"""End-to-end training throughput: our trainer vs transformers' model of the same architecture
+(Qwen3.5(-MoE)), same process, same GPU.
 
     python scripts/bench_train.py --config configs/qwen35_vl_2b.yaml [key=value ...] \
         [--warmup 3] [--steps 10] [--json OUT] [--skip-hf] [--hf-feed row|samples] [--hf-gdn auto|fla|torch]
@@ -12,7 +13,8 @@
    ``mem_after_free_gib`` reports what our run still held after ``gc.collect`` and
    ``torch.cuda.empty_cache``, and none of it reaches the other half). Without the transformers half, or on the CPU, ours runs in-process. Then
    transformers' model is built from the same
-   model section (``models.qwen35_vl.hf.hf_config_from_ours``) with random weights in the same
+   model section (the family's Hugging Face adapter, ``hf_config_from_ours``; a family without
+   one is refused before anything runs, unless --skip-hf) with random weights in the same
    dtype, SDPA attention, flash-linear-attention's GDN kernels when importable, and
    ``torch.optim.AdamW(fused=True)`` on CUDA. It trains on the very batches our run consumed
    (the loader is rebuilt with the same seed; the supervised-token counts per step are checked
@@ -237,16 +239,26 @@ def hf_calls(batch: dict, m, feed: str) -> list[dict]:
 # ------------------------------------------------------------------ transformers
 
 
+def hf_adapter(m):
+    """The Hugging Face adapter of the recipe's model family; a family without one is a BenchError."""
+    from core.errors import ConfigError
+    from models import get_hf_adapter, get_model_family
+
+    try:
+        return get_hf_adapter(get_model_family(m.name))
+    except ConfigError as e:
+        raise BenchError(f"{e}; pass --skip-hf to time ours alone") from None
+
+
 def build_hf(m, dtype, device, gdn: str):
     import transformers
 
-    from models.qwen35_vl.hf import hf_config_from_ours
-
-    cfg_dict = hf_config_from_ours(m)
+    hf = hf_adapter(m)
+    cfg_dict = hf.hf_config_from_ours(m)
     arch = cfg_dict["architectures"][0]
     cls = getattr(transformers, arch, None)
     if cls is None:
-        raise BenchError(f"transformers {transformers.__version__} has no {arch}; Qwen3.5 needs transformers >= 5")
+        raise BenchError(f"transformers {transformers.__version__} has no {arch}; install a version that has it")
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "config.json").write_text(json.dumps(cfg_dict))
         config = transformers.AutoConfig.from_pretrained(d)
@@ -257,7 +269,7 @@ def build_hf(m, dtype, device, gdn: str):
     if gdn == "fla" and not kernels.startswith("fla"):
         raise BenchError("--hf-gdn fla needs flash-linear-attention (`fla`) and a CUDA device")
     if kernels == "torch":
-        force_hf_torch_gdn()
+        force_hf_torch_gdn(hf)
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # build in the training dtype directly (a 2B fp32 copy is 8 GiB)
     try:
@@ -267,23 +279,21 @@ def build_hf(m, dtype, device, gdn: str):
         torch.set_default_dtype(prev)
     model.to(device=device, dtype=dtype)
     if kernels == "torch":
-        force_hf_torch_gdn(model)
+        force_hf_torch_gdn(hf, model)
     model.train()
     return model, kernels
 
 
-def force_hf_torch_gdn(model=None) -> None:
+def force_hf_torch_gdn(hf, model=None) -> None:
     """transformers picks fla's Triton kernels whenever ``fla`` imports (module-level wrappers in
-    5.2x, per-layer attributes in some versions); use its own PyTorch GDN instead."""
-    from models.qwen35_vl.parity import use_hf_torch_kernels
-
-    use_hf_torch_kernels()
+    5.2x, per-layer attributes in some versions); use its own PyTorch GDN instead. ``hf``: the
+    family's Hugging Face adapter, which names transformers' modules of the architecture."""
+    hf.use_hf_torch_kernels()
     if model is None:
         return
     import importlib
 
-    for modname in ("transformers.models.qwen3_5.modeling_qwen3_5",
-                    "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"):
+    for modname in hf.HF_MODELING_MODULES:
         mod = importlib.import_module(modname)
         for layer in model.modules():
             if type(layer).__name__.endswith("GatedDeltaNet") and type(layer).__module__ == modname:
@@ -477,6 +487,8 @@ def main(argv: list[str] | None = None) -> dict:
               "logging.tensorboard=false", "logging.wandb=false", "logging.memory_history=false"]
     cfg = load_config(args.config, [f"logging.dir={out_dir}", *args.overrides, *forced])
     resolve_sources(cfg)
+    if not args.skip_hf:
+        hf_adapter(cfg.model)  # a family without one is refused before our half runs
     lg = cfg.logging
     if lg.profile_step and lg.profile_step + lg.profile_num_steps - 1 > args.warmup:
         # the profiler's own cost (trace collection and export: seconds) would land in the timing

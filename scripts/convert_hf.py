@@ -1,4 +1,6 @@
-"""Convert between Hugging Face Qwen3.5(-MoE) checkpoints and ours.
+"""Convert between Hugging Face checkpoints and ours, through the model family's Hugging Face
+adapter (``ModelFamily.hf_adapter``; Qwen3.5 and Qwen3.5-MoE have one, a family without one is
+refused in one line).
 
     python scripts/convert_hf.py import --hf-dir DIR --out CKPT [--tp N --pp N --ep N]
     python scripts/convert_hf.py export --ckpt CKPT --out DIR [--config RECIPE.yaml] [--merge-lora]
@@ -6,12 +8,13 @@
 import writes a weights-only megatron dist-checkpoint (iter_0000000 + latest) that training
 loads with ``checkpoint.load=CKPT`` and ``model.hf_config=DIR`` (the shapes come from DIR's
 config.json). A dist-checkpoint is layout independent: the same files load under any TP/PP/EP,
-so --tp/--pp/--ep only check that the layout you plan divides the model.
+so --tp/--pp/--ep only check that the layout you plan divides the model. The family is the one
+whose ``hf_model_types`` lists DIR's config.json ``model_type``.
 
 export loads any of our checkpoints (weights-only or a training checkpoint, saved under any
 TP/EP layout) into one process and writes model.safetensors + config.json that
 ``from_pretrained`` loads. The model shapes come from the checkpoint (written at import or by
-training), or from --config.
+training), or from --config; the family from the ``name`` of that model section.
 
 A checkpoint of a LoRA run (``model.lora``) exports with --merge-lora: each adapter is folded
 into its base weight (W + alpha/rank * B @ A, in fp32) and the result is a plain HF checkpoint
@@ -34,19 +37,14 @@ from pathlib import Path
 import torch
 
 
-from models.qwen35_vl.hf import (  # noqa: E402
-    hf_config_from_ours,
-    hf_to_ours,
-    load_hf_state_dict,
-    lora_to_hf,
-    model_config_from_hf,
-    ours_to_hf,
-)
+from core.errors import ConfigError  # noqa: E402
+from models import DEFAULT_MODEL, family_for_hf_config, get_hf_adapter, get_model_family  # noqa: E402
+from models.common.model_config import LoRAConfig, ModelConfig  # noqa: E402
 from models.common.parallel_config import ParallelConfig  # noqa: E402
-from models.qwen35_vl.config import ModelConfig  # noqa: E402
 from multimodal.config import load_config, validate_layout  # noqa: E402
 
 MODEL_CONFIG_FILE = "model_config.json"
+HF_CONFIG_FILE = "hf_config.json"
 
 
 def _init():
@@ -61,46 +59,55 @@ def _init():
 
 
 def _build(m: ModelConfig):
-    from models.qwen35_vl.model import build
-
-    return build(m, ParallelConfig(), torch.float32)
+    return get_model_family(m.name).build(m, ParallelConfig(), torch.float32)
 
 
 def do_import(hf_dir: str, out: str, tp: int, pp: int, ep: int) -> Path:
-    from models.qwen35_vl.parity import load_full_state_dict
     from multimodal import checkpointing
 
-    m = model_config_from_hf(hf_dir)
+    hf = get_hf_adapter(family_for_hf_config(hf_dir))
+    m = hf.model_config_from_hf(hf_dir)
     validate_layout(m, ParallelConfig(tp=tp, pp=pp, ep=ep))
     if m.num_layers % pp:
         raise ValueError(f"--pp {pp} does not divide the {m.num_layers} decoder layers")
     _init()
     model = _build(m)
-    state = load_hf_state_dict(hf_dir)
-    load_full_state_dict(model, hf_to_ours(state, m))
+    state = hf.load_hf_state_dict(hf_dir)
+    hf.load_full_state_dict(model, hf.hf_to_ours(state, m))
     dtype = next(iter(state.values())).dtype
     meta = {MODEL_CONFIG_FILE: json.dumps(dataclasses.asdict(m), indent=1),
-            "hf_config.json": (Path(hf_dir) / "config.json").read_text()}
+            HF_CONFIG_FILE: (Path(hf_dir) / "config.json").read_text()}
     extra = {"source": str(hf_dir), "hf_dtype": str(dtype).replace("torch.", "")}
     return checkpointing.save_weights(out, model, extra, meta)
 
 
+def _recorded_model_config(ckpt: Path) -> dict | None:
+    path = ckpt / MODEL_CONFIG_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def model_config_of_checkpoint(ckpt: Path, recipe: str | None) -> ModelConfig:
-    """The architecture of a checkpoint: --config, else what the checkpoint recorded."""
+    """The architecture of a checkpoint: --config, else what the checkpoint recorded (its HF
+    config.json when it has one, read by the family its model_config.json names)."""
     if recipe:
         return load_config(recipe).model
-    if (ckpt / "hf_config.json").is_file():
-        return model_config_from_hf(ckpt / "hf_config.json")
-    if (ckpt / MODEL_CONFIG_FILE).is_file():
-        from multimodal.config import _build as build_dataclass
+    recorded = _recorded_model_config(ckpt)
+    has_hf = (ckpt / HF_CONFIG_FILE).is_file()
+    if recorded is None and not has_hf:
+        raise FileNotFoundError(f"{ckpt} records no model config; pass --config RECIPE.yaml")
+    if recorded is not None:
+        family = get_model_family(recorded.get("name") or DEFAULT_MODEL)
+    else:
+        family = family_for_hf_config(ckpt / HF_CONFIG_FILE)
+    if has_hf:
+        return get_hf_adapter(family).model_config_from_hf(ckpt / HF_CONFIG_FILE)
+    from multimodal.config import _build as build_dataclass
 
-        return build_dataclass(ModelConfig, json.loads((ckpt / MODEL_CONFIG_FILE).read_text()), "model.")
-    raise FileNotFoundError(f"{ckpt} records no model config; pass --config RECIPE.yaml")
+    return build_dataclass(family.config_class, recorded, "model.")
 
 
 def lora_config_of_checkpoint(ckpt: Path, recipe: str | None):
     """The ``model.lora`` a checkpoint was trained with: --config, else its model_config.json."""
-    from models.qwen35_vl.config import LoRAConfig
     from multimodal.config import _build as build_dataclass
 
     if recipe:
@@ -145,9 +152,10 @@ def do_export(ckpt: str, out: str, recipe: str | None, dtype: str, merge_lora: b
     from multimodal import checkpointing
     from multimodal.lora import apply_lora
 
-    _init()
     path = checkpointing.resolve(ckpt, None)
     m = model_config_of_checkpoint(path, recipe)
+    hf = get_hf_adapter(get_model_family(m.name))  # before anything is built: a family without one is refused
+    _init()
     model = _build(m)
     has_adapters = any(is_adapter_param(k) for k in dist_checkpointing.load_tensors_metadata(str(path)))
     if has_adapters and not (merge_lora or adapter_only):
@@ -161,22 +169,22 @@ def do_export(ckpt: str, out: str, recipe: str | None, dtype: str, merge_lora: b
     checkpointing.load_weights(path, model)
     state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     if adapter_only:
-        return _write_peft_adapter(lora_to_hf(state, m), lora, Path(out))
+        return _write_peft_adapter(hf.lora_to_hf(state, m), lora, Path(out))
     if merge_lora:
         state = merged_state_dict(state, lora.alpha / lora.rank)
-    hf = ours_to_hf(state, m)
+    weights = hf.ours_to_hf(state, m)
     trainer = json.loads((path / "trainer_state.json").read_text())
     target = {"fp32": torch.float32, "bf16": torch.bfloat16, "auto": getattr(torch, trainer.get("hf_dtype", "float32"))}[dtype]
-    hf = {k: t.detach().to(target).contiguous() for k, t in hf.items()}
+    weights = {k: t.detach().to(target).contiguous() for k, t in weights.items()}
     if m.tie_word_embeddings:
-        hf.pop("lm_head.weight", None)
+        weights.pop("lm_head.weight", None)
     outd = Path(out)
     outd.mkdir(parents=True, exist_ok=True)
-    save_file(hf, str(outd / "model.safetensors"), metadata={"format": "pt"})
-    if (path / "hf_config.json").is_file():  # keep the original config (tokens, extra fields) verbatim
-        cfg = json.loads((path / "hf_config.json").read_text())
+    save_file(weights, str(outd / "model.safetensors"), metadata={"format": "pt"})
+    if (path / HF_CONFIG_FILE).is_file():  # keep the original config (tokens, extra fields) verbatim
+        cfg = json.loads((path / HF_CONFIG_FILE).read_text())
     else:
-        cfg = hf_config_from_ours(m)
+        cfg = hf.hf_config_from_ours(m)
     cfg["dtype"] = str(target).replace("torch.", "")
     (outd / "config.json").write_text(json.dumps(cfg, indent=2))
     return outd
@@ -202,10 +210,14 @@ def main(argv=None) -> int:
     exp.add_argument("--adapter-only", action="store_true",
                      help="write only the LoRA adapters, as a PEFT adapter (HF module names) for the base checkpoint")
     args = ap.parse_args(argv)
-    if args.cmd == "import":
-        print(do_import(args.hf_dir, args.out, args.tp, args.pp, args.ep))
-    else:
-        print(do_export(args.ckpt, args.out, args.config, args.dtype, args.merge_lora, args.adapter_only))
+    try:
+        if args.cmd == "import":
+            print(do_import(args.hf_dir, args.out, args.tp, args.pp, args.ep))
+        else:
+            print(do_export(args.ckpt, args.out, args.config, args.dtype, args.merge_lora, args.adapter_only))
+    except ConfigError as e:  # a model family without an HF adapter, an unknown model_type: one line
+        print(f"convert_hf.py: {e}", file=sys.stderr)
+        return e.exit_code
     return 0
 
 

@@ -1,4 +1,6 @@
-"""Our Qwen3.5-VL vs transformers' on the same Hugging Face checkpoint: one JSON line.
+"""Our model vs transformers' on the same Hugging Face checkpoint: one JSON line. The model family
+is the one whose ``hf_model_types`` lists the checkpoint's config.json ``model_type`` (Qwen3.5,
+Qwen3.5-MoE); its Hugging Face adapter runs the comparison.
 
     python scripts/hf_parity.py --hf-dir DIR [--dtype fp32|bf16] [--seed S]
 
@@ -22,12 +24,18 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from megatron.core import parallel_state as ps
 
-    from models.qwen35_vl.parity import run_parity
+    from core.errors import ConfigError
+    from models import family_for_hf_config, get_hf_adapter
     from multimodal.platform import init_distributed
 
+    try:
+        hf = get_hf_adapter(family_for_hf_config(args.hf_dir))
+    except ConfigError as e:  # an unknown model_type, a family without an adapter: one line
+        print(f"hf_parity.py: {e}", file=sys.stderr)
+        return e.exit_code
     init_distributed()
     ps.initialize_model_parallel(1, 1)
-    result = run_parity(args.hf_dir, args.dtype, args.seed)
+    result = hf.run_parity(args.hf_dir, args.dtype, args.seed)
     print(json.dumps(result))
     return 0 if result["ok"] else 1
 

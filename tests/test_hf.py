@@ -120,3 +120,29 @@ def test_training_starts_from_converted_weights_and_its_checkpoint_exports(tmp_p
     out = tmp_path / "exported"
     _run("scripts/convert_hf.py", "export", "--ckpt", str(tmp_path / "trained"), "--out", str(out))
     _assert_same_tensors(hf_dir, out)
+
+
+def _refused(*cmd: str) -> str:
+    """The error line of a script run that must end with exit code 2 (a one-line, user-fixable
+    error: no traceback; the lines before it are the import warnings of torch and megatron)."""
+    proc = subprocess.run([sys.executable, *cmd], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    return proc.stderr.strip().splitlines()[-1]
+
+
+def test_convert_hf_refuses_a_family_without_a_hugging_face_adapter(tmp_path):
+    ckpt = tmp_path / "iter_0000001"  # what export reads before building anything
+    ckpt.mkdir()
+    (ckpt / "trainer_state.json").write_text("{}")
+    (ckpt / "model_config.json").write_text(json.dumps({"name": "tiny_dense_vl"}))
+    err = _refused("scripts/convert_hf.py", "export", "--ckpt", str(ckpt), "--out", str(tmp_path / "out"))
+    assert err == ("convert_hf.py: model tiny_dense_vl has no Hugging Face adapter (ModelFamily.hf_adapter); "
+                   "Hugging Face conversion and comparison work for ['qwen35_vl']")
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_hf_import_refuses_an_unknown_model_type(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    err = _refused("scripts/convert_hf.py", "import", "--hf-dir", str(tmp_path), "--out", str(tmp_path / "ckpt"))
+    assert err.startswith("convert_hf.py: Hugging Face model_type 'llama' is read by no registered model family; "
+                          "known: [")

@@ -16,6 +16,10 @@ packages, so it sits in models/; ``multimodal/performance/`` (optimizer patches,
 megatron's optimizer and DDP, which only the trainer owns. What a run reports about itself
 (metrics, step clock, profiler, memory tools) is ``multimodal/observability/``.
 
+An architecture is a plug-in: nothing outside its folder ``models/<name>/`` imports it, save the
+registry (``models/__init__.py``); the trainer, the data pipeline and the scripts reach it through
+its ``ModelFamily``.
+
 Every import counts, at the top of a file or inside a function, ``import a.b`` and
 ``from a import b`` alike, relative ones resolved. Cycles between our modules are refused too,
 function-level imports included: a lazy import that closes a cycle (the two this test was written
@@ -68,6 +72,28 @@ def _imports(path: Path, known: dict[str, Path], root: Path):
                 full = f"{base}.{alias.name}"
                 target = full if full in known else base
                 yield node.lineno, target, f"from {'.' * node.level}{node.module or ''} import {alias.name}"
+
+
+def _entry_points(root: Path) -> dict[str, Path]:
+    """The modules above the layers: the launcher and the scripts."""
+    paths = [root / "pretrain_multimodal.py", *sorted((root / "scripts").rglob("*.py"))]
+    return {_module_name(path, root)[0]: path for path in paths if path.is_file()}
+
+
+def family_imports_from_outside(root: Path = ROOT) -> list[str]:
+    """Imports of a model family's package (a folder ``models/<name>/`` with a family.py) from a
+    module outside that folder, the registry ``models/__init__.py`` excepted."""
+    families = {f"models.{path.parent.name}" for path in (root / "models").glob("*/family.py")}
+    known = {**_modules(root), **_entry_points(root)}
+    bad = []
+    for module, path in known.items():
+        if module == "models":  # the registry: MODEL_REGISTRY imports every family
+            continue
+        for line, target, text in sorted(_imports(path, known, root)):
+            family = ".".join(target.split(".")[:2])
+            if family in families and module != family and not module.startswith(family + "."):
+                bad.append(f"{path.relative_to(root)}:{line}: {text} (reach {family} through its ModelFamily)")
+    return bad
 
 
 def _layer(module: str) -> int | None:
@@ -148,3 +174,28 @@ def test_no_layer_imports_a_higher_one():
 def test_no_import_cycles():
     cycles = import_cycles()
     assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_no_module_outside_a_family_imports_it():
+    bad = family_imports_from_outside()
+    assert not bad, "imports of a model family from outside its folder:\n" + "\n".join(bad)
+
+
+def test_the_family_scan_sees_a_violation(tmp_path):
+    """A tree with one import of a family from the trainer and one from a script, beside the
+    imports that are allowed (the registry, the family's own modules)."""
+    files = {
+        "models/__init__.py": "from models.fam.family import FAMILY\n",
+        "models/family.py": "",
+        "models/fam/__init__.py": "",
+        "models/fam/family.py": "from models.fam import layers\n",
+        "models/fam/layers.py": "from . import family\n",
+        "multimodal/__init__.py": "",
+        "multimodal/train.py": "def f():\n    import models.fam.layers\n",
+        "scripts/tool.py": "from models import fam\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    bad = family_imports_from_outside(tmp_path)
+    assert [b.split(":")[0] for b in bad] == ["multimodal/train.py", "scripts/tool.py"], bad

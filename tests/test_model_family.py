@@ -56,3 +56,35 @@ def test_qwen35_vl_is_registered_with_its_family():
     from models.qwen35_vl import flops, param_counts
 
     assert family.training_flops is flops.training_flops and family.stage_params is param_counts.stage_params
+
+
+def test_the_hugging_face_adapter_is_reached_through_the_family(tmp_path):
+    import json
+
+    from core.errors import ConfigError
+    from models import family_for_hf_config, family_for_hf_model_type, get_hf_adapter
+
+    qwen = get_model_family("qwen35_vl")
+    for model_type in ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"):
+        assert family_for_hf_model_type(model_type) is qwen
+    hf = get_hf_adapter(qwen)
+    for member in ("model_config_from_hf", "hf_config_from_ours", "load_hf_state_dict", "hf_to_ours", "ours_to_hf",
+                   "lora_to_hf", "load_full_state_dict", "run_parity", "use_hf_torch_kernels", "HF_MODELING_MODULES"):
+        assert hasattr(hf, member), member
+    with pytest.raises(ConfigError, match=r"^model tiny_dense_vl has no Hugging Face adapter") as err:
+        get_hf_adapter(get_model_family("tiny_dense_vl"))
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"^Hugging Face model_type 'llama' is read by no registered model family"):
+        family_for_hf_model_type("llama")
+    # a config.json without a top-level model_type: its text_config's
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"model_type": "qwen3_5_text"}}))
+    assert family_for_hf_config(tmp_path) is qwen
+
+
+def test_packed_row_extras_are_the_familys():
+    import torch
+
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    assert get_model_family("tiny_dense_vl").packed_row_extras(cu, torch.device("cpu")) == {}
+    extras = get_model_family("qwen35_vl").packed_row_extras(cu, torch.device("cpu"))
+    assert set(extras) == {"gdn_varlen"} and torch.equal(extras["gdn_varlen"].cu_seqlens, cu.long())

@@ -34,6 +34,19 @@ def _config_from_hf(path, base):
     return model_config_from_hf(path, base=base)
 
 
+def _hf_adapter():
+    import models.qwen35_vl.hf_adapter as adapter  # torch + transformers' names: imported when asked for
+
+    return adapter
+
+
+def _packed_row_extras(cu_seqlens, device) -> dict:
+    """The GDN layers' varlen chunk table, built once per packed micro-batch on the host."""
+    from kernels.gated_delta_rule import GDNVarlen
+
+    return {"gdn_varlen": GDNVarlen.from_host(cu_seqlens, device)}
+
+
 def _vision_graph_buckets(max_patches: int, unit: int) -> list[int]:
     from models.qwen35_vl.vision_graphs import bucket_sizes
 
@@ -62,4 +75,9 @@ FAMILY = ModelFamily(
     vision_graph_buckets=_vision_graph_buckets,
     recompute_modules=("core_attn", "layernorm", "shared_experts", "gdn_qkv", "gdn_norm_out", "moe_act"),
     recompute_mixers=_recompute_mixers,
+    packed_row_extras=_packed_row_extras,
+    hf_adapter=_hf_adapter,
+    # top level of a vision-language config.json; the _text types: a text-only config, which
+    # model_config_from_hf reads as well
+    hf_model_types=("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"),
 )

@@ -77,10 +77,15 @@ _HF_FLA_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delt
                      "causal_conv1d_fn", "causal_conv1d_update")
 
 
+# transformers' modules of Qwen3.5 and Qwen3.5-MoE (bench_train swaps their GDN kernels too)
+HF_MODELING_MODULES = ("transformers.models.qwen3_5.modeling_qwen3_5",
+                       "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
+
+
 def use_hf_torch_kernels() -> None:
     import importlib
 
-    for name in ("transformers.models.qwen3_5.modeling_qwen3_5", "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe"):
+    for name in HF_MODELING_MODULES:
         mod = importlib.import_module(name)
         for fn in _HF_FLA_FUNCTIONS:
             wrapped = getattr(mod, fn, None)
