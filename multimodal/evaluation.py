@@ -38,6 +38,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from data.loader import MicroBatchIterator, build_dataset
+from models import get_model_family
 from multimodal import checkpointing
 from multimodal.context_parallel import sequence_pad_multiple
 from multimodal.forward_step import ForwardStep
@@ -97,7 +98,8 @@ class Evaluator:
         return ForwardStep(self.rt.device, self.dtype, cp_size=ps.get_context_parallel_world_size(),
                            cp_rank=ps.get_context_parallel_rank(), cp_group=ps.get_context_parallel_group(),
                            image_token_id=m.vision_token_ids, cp_split_vision=self.cfg.parallel.cp_split_vision,
-                           merge=m.vision.spatial_merge_size, sparse_lm_head=m.sparse_lm_head and m.fused_linear_ce)
+                           merge=m.vision.spatial_merge_size, sparse_lm_head=m.sparse_lm_head and m.fused_linear_ce,
+                           row_extras=get_model_family(m.name).packed_row_extras)
 
     def run(self, it: int) -> dict:
         """One evaluation with the current weights -> {val_loss, val_tokens, val_time_s} (every rank)."""

@@ -7,19 +7,23 @@ device needs is copied once per micro-batch asynchronously (from pinned memory);
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from kernels.gated_delta_rule import GDNVarlen
 from core.transfer import to_device_async
 from models.common.packed_seq import CPPackedSeqParams, PackedRowParams
 from multimodal.context_parallel import partition_batch
 from multimodal.loss import masked_token_loss
 
 
-def to_device(batch: dict, device: torch.device, pixel_dtype: torch.dtype, with_pixels: bool = True) -> dict:
+def to_device(batch: dict, device: torch.device, pixel_dtype: torch.dtype, with_pixels: bool = True,
+              row_extras: Callable[..., dict] | None = None) -> dict:
+    """The micro-batch with its tensors on ``device``. ``row_extras``: the model family's
+    ``packed_row_extras``, called once per packed batch with its host cu_seqlens (the padded ones
+    when given); its fields reach the layers in ``PackedRowParams`` (``packed_seq_params``)."""
     out = dict(batch)
     for key in ("tokens", "labels", "loss_mask", "position_ids"):
         out[key] = to_device_async(batch[key], device)
@@ -32,7 +36,8 @@ def to_device(batch: dict, device: torch.device, pixel_dtype: torch.dtype, with_
             out[key] = to_device_async(batch[key], device)
     cu = batch.get("cu_seqlens_padded")
     cu = batch.get("cu_seqlens") if cu is None else cu
-    out["gdn_varlen"] = None if cu is None else GDNVarlen.from_host(cu, device)
+    if cu is not None and row_extras is not None:
+        out["row_extras"] = row_extras(cu, device)
     return out
 
 
@@ -48,7 +53,7 @@ def packed_seq_params(batch: dict, cp_group=None) -> PackedSeqParams | None:
         fields = dict(
             qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
             cu_seqlens_kv_padded=cu_padded, max_seqlen_q=batch["max_seqlen"], max_seqlen_kv=batch["max_seqlen"],
-            gdn_varlen=batch.get("gdn_varlen"),
+            **batch.get("row_extras", {}),
         )
     if batch.get("cp_size", 1) > 1:
         return CPPackedSeqParams(
@@ -82,8 +87,9 @@ class ForwardStep:
 
     def __init__(self, device: torch.device, pixel_dtype: torch.dtype, cp_size: int = 1, cp_rank: int = 0,
                  cp_group=None, image_token_id: int | tuple[int, ...] | None = None, cp_split_vision: bool = False, merge: int = 2,
-                 sparse_lm_head: bool = False):
+                 sparse_lm_head: bool = False, row_extras: Callable[..., dict] | None = None):
         self.device, self.pixel_dtype = device, pixel_dtype
+        self.row_extras = row_extras  # ModelFamily.packed_row_extras of the model being run
         # model.sparse_lm_head (with the fused loss): logits only at the loss tokens of packed batches
         self.sparse_lm_head = sparse_lm_head
         self.cp_size, self.cp_rank, self.cp_group = cp_size, cp_rank, cp_group
@@ -103,7 +109,8 @@ class ForwardStep:
         if self.cp_size > 1:  # every CP rank read the same micro-batch; keep this rank's chunks
             batch = partition_batch(batch, self.cp_size, self.cp_rank, self.image_token_id,
                                     split_vision=self.cp_split_vision, merge=self.merge)
-        b = to_device(batch, self.device, self.pixel_dtype, with_pixels=getattr(_unwrap(model), "pre_process", True))
+        b = to_device(batch, self.device, self.pixel_dtype, with_pixels=getattr(_unwrap(model), "pre_process", True),
+                      row_extras=self.row_extras)
         params = packed_seq_params(b, self.cp_group)
         # packed (or CP-split) batches have PackedRowParams, which carry the loss-token indices
         sparse = self.sparse_lm_head and params is not None

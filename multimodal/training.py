@@ -24,7 +24,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from data.loader import MicroBatchIterator, build_dataset
 from data.prefetch import Prefetcher
-from models import get_model_builder
+from models import get_model_builder, get_model_family
 from multimodal import checkpointing, platform
 from multimodal.config import Config, ConfigError, resolve_sources, validate
 from multimodal.context_parallel import sequence_pad_multiple
@@ -320,7 +320,8 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
                                cp_rank=ps.get_context_parallel_rank(), cp_group=ps.get_context_parallel_group(),
                                image_token_id=m.vision_token_ids, cp_split_vision=cfg.parallel.cp_split_vision,
                                merge=m.vision.spatial_merge_size,
-                               sparse_lm_head=m.sparse_lm_head and m.fused_linear_ce)
+                               sparse_lm_head=m.sparse_lm_head and m.fused_linear_ce,
+                               row_extras=get_model_family(m.name).packed_row_extras)
             outputs = fwd_bwd(
                 forward_step_func=step,
                 data_iterator=batches,

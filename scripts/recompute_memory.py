@@ -26,7 +26,7 @@ def measure(config: str, overrides: list[str], dtype: torch.dtype) -> dict:
     from megatron.core import parallel_state as ps
 
     from data.loader import MicroBatchIterator, build_dataset
-    from models import get_model_builder
+    from models import get_model_builder, get_model_family
     from multimodal.config import load_config, resolve_sources
     from multimodal.forward_step import packed_seq_params, to_device
     from multimodal.observability.memory import activation_bytes_held
@@ -44,7 +44,7 @@ def measure(config: str, overrides: list[str], dtype: torch.dtype) -> dict:
     host = next(iter(MicroBatchIterator(dataset, t.seq_length, m.pad_token_id, m.vision_token_ids,
                                         m.vision.spatial_merge_size, cfg.data.pack, 1, 0, 1,
                                         pack_lookahead=cfg.data.pack_lookahead)))
-    batch = to_device(host, rt.device, dtype)
+    batch = to_device(host, rt.device, dtype, row_extras=get_model_family(m.name).packed_row_extras)
     rows = {}
     for modules in sweep_choices(m):
         seed_everything(0)

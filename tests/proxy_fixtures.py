@@ -8,7 +8,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 
 from data.collate import pack_thd
 from data.mock import MockDataset
-from models import get_model_builder
+from models import get_model_builder, get_model_family
 from multimodal.config import load_config
 from multimodal.forward_step import packed_seq_params, to_device
 
@@ -29,8 +29,9 @@ def packed_rows(cfg, groups=((0, 1),), device="cpu") -> list[dict]:
     """One packed row of ROW tokens per group of mock-sample indices."""
     m = cfg.model
     ds = MockDataset(m, cfg.data, 256)
+    extras = get_model_family(m.name).packed_row_extras
     return [to_device(pack_thd([ds[i] for i in idx], ROW, m.pad_token_id, m.image_token_id,
-                               m.vision.spatial_merge_size), torch.device(device), torch.float32)
+                               m.vision.spatial_merge_size), torch.device(device), torch.float32, row_extras=extras)
             for idx in groups]
 
 

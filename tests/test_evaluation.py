@@ -120,9 +120,11 @@ def _worker(out: Path) -> None:
         total, tokens = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         with torch.no_grad():
             for _ in range(cfg.train.eval_iters * cfg.train.global_batch_size):
+                from models import get_model_family
                 from multimodal.forward_step import to_device
 
-                batch = to_device(next(loader), torch.device("cpu"), torch.float32)
+                batch = to_device(next(loader), torch.device("cpu"), torch.float32,
+                                  row_extras=get_model_family(m.name).packed_row_extras)
                 losses = forward(model, batch)
                 total += (losses.double() * batch["loss_mask"].double()).sum()
                 tokens += batch["loss_mask"].double().sum()

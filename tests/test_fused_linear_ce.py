@@ -214,7 +214,7 @@ def test_forward_step_gives_the_model_the_loss_tokens_and_counts_them(mcore):
     of LM-head tokens that the FLOPs use."""
     from data.collate import pack_thd
     from data.mock import MockDataset
-    from models import get_model_builder
+    from models import get_model_builder, get_model_family
     from multimodal.config import load_config
     from multimodal.forward_step import ForwardStep
     from core.seeding import seed_everything
@@ -228,7 +228,8 @@ def test_forward_step_gives_the_model_the_loss_tokens_and_counts_them(mcore):
                      merge=m.vision.spatial_merge_size)
     results = {}
     for sparse in (False, True):
-        step = ForwardStep(torch.device("cpu"), torch.float32, image_token_id=m.image_token_id, sparse_lm_head=sparse)
+        step = ForwardStep(torch.device("cpu"), torch.float32, image_token_id=m.image_token_id, sparse_lm_head=sparse,
+                           row_extras=get_model_family(m.name).packed_row_extras)
         out, loss_fn = step(iter([batch]), model)
         loss_sum, n, _ = loss_fn(out)
         results[sparse] = (loss_sum.item(), int(n), step.batches[0]["lm_head_tokens"])

@@ -10,6 +10,7 @@ import torch
 from data.collate import pack_thd
 from data.mock import MockDataset
 from kernels.gated_delta_rule import FLA_CHUNK_SIZE, chunk_indices_host
+from models import get_model_family
 from multimodal.config import load_config
 from multimodal.forward_step import packed_seq_params, to_device
 
@@ -39,7 +40,8 @@ def test_forward_step_hands_every_gdn_layer_one_precomputed_table():
     m = cfg.model
     ds = MockDataset(m, cfg.data, 512)
     batch = pack_thd([ds[0], ds[1], ds[2]], 512, m.pad_token_id, m.image_token_id, m.vision.spatial_merge_size)
-    params = packed_seq_params(to_device(batch, torch.device("cpu"), torch.float32))
+    extras = get_model_family(m.name).packed_row_extras  # Qwen3.5's: the GDN chunk table
+    params = packed_seq_params(to_device(batch, torch.device("cpu"), torch.float32, row_extras=extras))
     varlen = params.gdn_varlen
     assert varlen.cu_seqlens.dtype == torch.long
     assert torch.equal(varlen.cu_seqlens, batch["cu_seqlens_padded"].long())

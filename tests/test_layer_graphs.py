@@ -81,7 +81,8 @@ def _one_sample(batch):
 
     n = batch["tokens"].shape[-1]
     cu = torch.tensor([0, n], dtype=torch.int32)
-    return dict(batch, cu_seqlens=cu, cu_seqlens_padded=cu, max_seqlen=n, gdn_varlen=GDNVarlen.from_host(cu, "cpu"))
+    return dict(batch, cu_seqlens=cu, cu_seqlens_padded=cu, max_seqlen=n,
+                row_extras={"gdn_varlen": GDNVarlen.from_host(cu, "cpu")})
 
 
 def test_one_sample_rows_get_their_own_graphs(mcore, monkeypatch):

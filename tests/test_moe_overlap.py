@@ -98,14 +98,22 @@ def _model_and_batch(overrides=()):
     return cfg, model, batch
 
 
+def _forward_step(cfg):
+    """ForwardStep as the trainer builds it for the recipe's model (its family's row extras)."""
+    from models import get_model_family
+    from multimodal.forward_step import ForwardStep
+
+    return ForwardStep(torch.device("cpu"), torch.float32, image_token_id=cfg.model.image_token_id,
+                       row_extras=get_model_family(cfg.model.name).packed_row_extras)
+
+
 def _step(model, batch, cfg, plan: bool):
     """Loss and all gradients of one micro-batch: the plain forward, or the plan run forward then
     backward the way combined_forward_backward_step does (loss on a detached copy of the output)."""
     from models.common.schedule_plan import MultimodalSchedulePlan
-    from multimodal.forward_step import ForwardStep
 
     model.zero_grad(set_to_none=True)
-    step = ForwardStep(torch.device("cpu"), torch.float32, image_token_id=cfg.model.image_token_id)
+    step = _forward_step(cfg)
     out, loss_fn = step(iter([batch]), model, return_schedule_plan=plan)
     if plan:
         assert isinstance(out, MultimodalSchedulePlan)
@@ -140,10 +148,9 @@ def test_plan_has_megatron_nodes_per_layer(streams):
     from models.common.schedule_plan import MultimodalPreProcessNode
     from models.qwen35_vl.attention import MRopeSelfAttention
     from models.qwen35_vl.gdn import Qwen35GatedDeltaNet
-    from multimodal.forward_step import ForwardStep
 
     cfg, model, batch = _model_and_batch()
-    step = ForwardStep(torch.device("cpu"), torch.float32, image_token_id=cfg.model.image_token_id)
+    step = _forward_step(cfg)
     plan, _ = step(iter([batch]), model, return_schedule_plan=True)
     assert isinstance(plan, TransformerModelChunkSchedulePlan)  # what megatron's schedule asserts
     assert isinstance(plan.pre_process, MultimodalPreProcessNode) and plan.post_process is not None

@@ -87,7 +87,7 @@ class StaticBatch:
             return f"more than train.cuda_graph_max_samples={self.max_samples} samples in a row"
         varlen = params.gdn_varlen
         if varlen is None:
-            return "no GDN chunk table (multimodal.forward_step builds one for packed rows)"
+            return "no GDN chunk table (the model family's packed_row_extras builds one for packed rows)"
         if varlen.chunk_indices.shape[0] > self.chunks.shape[0]:
             return "a GDN chunk table longer than the static one"
         return None

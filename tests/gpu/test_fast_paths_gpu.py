@@ -22,7 +22,7 @@ import torch
 
 from data.collate import pack_thd  # noqa: E402
 from data.loader import build_dataset  # noqa: E402
-from models import get_model_builder  # noqa: E402
+from models import get_model_builder, get_model_family  # noqa: E402
 from models.qwen35_vl.attention import CoreAttention  # noqa: E402
 from models.qwen35_vl.gdn import Qwen35GatedDeltaNet  # noqa: E402
 from multimodal.config import load_config  # noqa: E402
@@ -148,7 +148,7 @@ def main() -> int:
         samples.append(s)
         used += len(s["input_ids"])
     batch = pack_thd(samples, cfg.train.seq_length, m.pad_token_id, m.vision_token_ids, m.vision.spatial_merge_size)
-    batch = to_device(batch, rt.device, dtype)
+    batch = to_device(batch, rt.device, dtype, row_extras=get_model_family(m.name).packed_row_extras)
     gdns = [mod for mod in model.modules() if isinstance(mod, Qwen35GatedDeltaNet)]
     tol_loss, tol_grad = (5e-2, 5e-2) if dtype == torch.bfloat16 else (1e-3, 1e-3)
 

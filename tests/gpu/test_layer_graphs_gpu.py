@@ -66,7 +66,7 @@ def trainer_model_and_batches(config: str, overrides: list[str], micro_batches: 
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from data.loader import MicroBatchIterator, build_dataset
-    from models import get_model_builder
+    from models import get_model_builder, get_model_family
     from models.performance import layer_graphs, wgrad_fusion
     from multimodal.config import load_config, resolve_sources
     from multimodal.forward_step import to_device
@@ -94,7 +94,9 @@ def trainer_model_and_batches(config: str, overrides: list[str], micro_batches: 
     loader = iter(MicroBatchIterator(dataset, t.seq_length, m.pad_token_id, m.vision_token_ids,
                                      m.vision.spatial_merge_size, True, 1, 0, 1,
                                      pack_lookahead=cfg.data.pack_lookahead))
-    batches = [to_device(next(loader), torch.device("cuda"), torch.bfloat16) for _ in range(micro_batches)]
+    extras = get_model_family(m.name).packed_row_extras
+    batches = [to_device(next(loader), torch.device("cuda"), torch.bfloat16, row_extras=extras)
+               for _ in range(micro_batches)]
     return cfg, model, ddp, fused, batches
 
 
