@@ -136,7 +136,7 @@ def _torchrun(nproc: int, *args: str, interpret: bool = False) -> None:
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-           f"--master-port={_free_port()}", "tests/mp_cp.py", *args]
+           f"--master-port={_free_port()}", "tests/helpers/mp_cp.py", *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
 

@@ -102,7 +102,7 @@ def _worker(out: Path) -> None:
     from data.loader import MicroBatchIterator, build_dataset
     from multimodal import evaluation
     from multimodal.training import train
-    from proxy_fixtures import forward
+    from helpers.proxy_fixtures import forward
 
     seen = {"evals": [], "direct": []}
     original = evaluation.Evaluator.run
@@ -197,7 +197,7 @@ def test_training_is_unchanged_by_evaluation(worker):
     assert [s for s in ev if "val_loss" in ev[s]] == [2, 4] and not any("val_loss" in r for r in plain.values())
     assert ev[4]["val_loss"] < ev[2]["val_loss"]  # it trains, and the validation loss sees it
     assert ev[2]["val_tokens"] == ev[4]["val_tokens"] > 0  # the same samples each time
-    from fault_helpers import checkpoint_tensors
+    from helpers.fault_helpers import checkpoint_tensors
 
     a = checkpoint_tensors(out / "ck" / "plain" / "iter_0000004")
     b = checkpoint_tensors(out / "ck" / "eval" / "iter_0000004")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from fault_helpers import run_cli
+from helpers.fault_helpers import run_cli
 from multimodal.checkpoint_checks import manifest_problem
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fault_helpers import TINY, run_cli
+from helpers.fault_helpers import TINY, run_cli
 from multimodal import checkpointing
 from core.errors import CheckpointError
 
@@ -59,7 +59,7 @@ def test_truncated_shard_is_named_with_the_previous_checkpoint_and_that_one_resu
 def test_each_truncated_file_is_named(tmp_path, good_checkpoints, name, mcore):
     ck = _copy(good_checkpoints, tmp_path / "ck")
     _truncate(ck / "iter_0000004" / name)
-    from proxy_fixtures import proxy_model
+    from helpers.proxy_fixtures import proxy_model
 
     _, model = proxy_model()
     with pytest.raises(CheckpointError) as e:
@@ -75,7 +75,7 @@ def test_without_a_manifest_a_damaged_metadata_file_is_still_named(tmp_path, goo
     ck = _copy(good_checkpoints, tmp_path / "ck")
     (ck / "iter_0000004" / "manifest.json").unlink()
     _truncate(ck / "iter_0000004" / ".metadata")
-    from proxy_fixtures import proxy_model
+    from helpers.proxy_fixtures import proxy_model
 
     _, model = proxy_model()
     with pytest.raises(CheckpointError, match=r"\.metadata does not load .*previous complete checkpoint is iter_0000002"):
@@ -93,7 +93,7 @@ def test_resume_with_other_shapes_lists_at_most_ten_tensors_with_both_shapes(tmp
 
 
 def test_more_layers_list_ten_and_count_the_rest(good_checkpoints, mcore):
-    from proxy_fixtures import proxy_model
+    from helpers.proxy_fixtures import proxy_model
 
     _, model = proxy_model(["model.num_layers=8"])
     with pytest.raises(CheckpointError) as e:
@@ -153,7 +153,7 @@ def test_disk_full_names_the_path_removes_partial_files_and_keeps_earlier_checkp
     assert "MiB needed" in line and "the previous checkpoint iter_0000002 is intact" in line, line
     assert sorted(p.name for p in ck.iterdir()) == ["iter_0000002", "latest"]  # no .tmp left behind
     assert (ck / "latest").read_text() == "iter_0000002"
-    from proxy_fixtures import proxy_model
+    from helpers.proxy_fixtures import proxy_model
 
     _, model = proxy_model()
     assert checkpointing.check_loadable(ck / "iter_0000002", model)["iteration"] == 2
@@ -170,4 +170,4 @@ def test_rank_files_load_without_pickled_code(good_checkpoints):
     assert json.loads((good_checkpoints / "iter_0000004" / "trainer_state.json").read_text())["finite"] is True
 
 
-assert TINY  # (the runs above are the tiny proxy; see fault_helpers)
+assert TINY  # (the runs above are the tiny proxy; see helpers/fault_helpers.py)

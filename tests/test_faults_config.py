@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fault_helpers import run_cli
+from helpers.fault_helpers import run_cli
 from multimodal.config import ConfigError, load_config, validate
 
 PROXY = "configs/qwen35_vl_proxy.yaml"

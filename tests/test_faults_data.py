@@ -12,7 +12,7 @@ import pytest
 
 from data.cord_v2 import CordV2Dataset
 from data.loader import MicroBatchIterator
-from fault_helpers import run_cli
+from helpers.fault_helpers import run_cli
 from models.qwen35_vl.config import ModelConfig
 from multimodal.config import DataConfig
 from core.errors import DataError

@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from fault_helpers import run_cli
+from helpers.fault_helpers import run_cli
 from multimodal.config import LoggingConfig
 from multimodal.observability.metrics import MetricsSink, drop_rows_after
 

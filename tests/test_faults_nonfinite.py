@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from fault_helpers import all_finite, checkpoint_tensors, run_cli
+from helpers.fault_helpers import all_finite, checkpoint_tensors, run_cli
 from multimodal.observability.metrics import console_line
 
 pytestmark = pytest.mark.slow

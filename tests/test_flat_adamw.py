@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kernels.flat_adamw import CHUNK, chunk_table, flat_adamw
-from proxy_fixtures import proxy_model, wrap_ddp
+from helpers.proxy_fixtures import proxy_model, wrap_ddp
 
 HP = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8)
 SEGMENTS = [(0, 100), (128, 5000), (5184, 2 * CHUNK + 7)]  # padding between, one spans three chunks

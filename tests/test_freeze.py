@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from proxy_fixtures import optimizer_steps
+from helpers.proxy_fixtures import optimizer_steps
 
 from models.base import PARAMETER_GROUPS
 from multimodal.config import ConfigError, load_config, validate

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from proxy_fixtures import PROXY, forward, packed_rows, proxy_model
+from helpers.proxy_fixtures import PROXY, forward, packed_rows, proxy_model
 
 from multimodal.config import load_config
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from proxy_fixtures import forward, packed_rows, proxy_model
+from helpers.proxy_fixtures import forward, packed_rows, proxy_model
 
 from kernels import fused_swiglu as fs
 from kernels.grouped_gemm import grouped_mm, grouped_mm_reference

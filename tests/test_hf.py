@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_fixtures import make_hf_checkpoint  # tests/ is on sys.path (conftest)
+from helpers.hf_fixtures import make_hf_checkpoint  # tests/ is on sys.path (conftest)
 from models.qwen35_vl.hf import load_hf_state_dict, model_config_from_hf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,8 +91,8 @@ def test_import_export_round_trip_and_parallel_layouts(moe, layout, tmp_path):
     _assert_same_tensors(hf_dir, tmp_path / "exported")
     AutoModelForImageTextToText.from_pretrained(tmp_path / "exported")  # transformers accepts it
 
-    _run("tests/mp_logits.py", str(ckpt), str(tmp_path / "single.pt"))
-    _run("tests/mp_logits.py", str(ckpt), str(tmp_path / "parallel.pt"), layout,
+    _run("tests/helpers/mp_logits.py", str(ckpt), str(tmp_path / "single.pt"))
+    _run("tests/helpers/mp_logits.py", str(ckpt), str(tmp_path / "parallel.pt"), layout,
          "--save-weights", str(tmp_path / "ckpt_parallel"), nproc=2)
     single, parallel = torch.load(tmp_path / "single.pt"), torch.load(tmp_path / "parallel.pt")
     torch.testing.assert_close(parallel, single, rtol=1e-5, atol=1e-5)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from proxy_fixtures import PROXY, accumulate, forward, packed_rows, proxy_model, wrap_ddp
+from helpers.proxy_fixtures import PROXY, accumulate, forward, packed_rows, proxy_model, wrap_ddp
 
 from models.performance import layer_graphs, wgrad_fusion
 from multimodal.config import ConfigError, load_config, validate

@@ -10,8 +10,8 @@ import json
 import pytest
 import torch
 
-from hf_fixtures import make_hf_checkpoint
-from proxy_fixtures import optimizer_steps
+from helpers.hf_fixtures import make_hf_checkpoint
+from helpers.proxy_fixtures import optimizer_steps
 from test_hf import _run
 
 from models.common.lora import is_adapter_param

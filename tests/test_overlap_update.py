@@ -11,7 +11,7 @@ import torch
 
 from multimodal.performance import overlap_update
 from multimodal.config import ConfigError, load_config, validate
-from proxy_fixtures import forward, packed_rows, proxy_model
+from helpers.proxy_fixtures import forward, packed_rows, proxy_model
 from test_flat_adamw import _megatron_optimizer
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from proxy_fixtures import forward, packed_rows, proxy_model
+from helpers.proxy_fixtures import forward, packed_rows, proxy_model
 
 from multimodal.config import ConfigError, load_config, validate
 from multimodal.observability.memory import activation_bytes_held

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_fixtures import make_hf_checkpoint  # tests/ is on sys.path (conftest)
+from helpers.hf_fixtures import make_hf_checkpoint  # tests/ is on sys.path (conftest)
 from models.qwen35_vl.mrope import mrope_position_ids, split_video_grids
 from models.common.vision_patches import patchify, patchify_frames
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from proxy_fixtures import accumulate, packed_rows, proxy_model, wrap_ddp
+from helpers.proxy_fixtures import accumulate, packed_rows, proxy_model, wrap_ddp
 
 from kernels import wgrad_accum
 from models.performance import wgrad_fusion

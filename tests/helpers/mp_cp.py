@@ -1,7 +1,7 @@
 """Run by tests under torchrun: per-token losses and gradients of one packed batch under context
 parallelism, to compare with the single-process run on the same weights and data.
 
-    torchrun --nproc-per-node CP tests/mp_cp.py OUT.pt --init INIT.pt [--bshd] [key=value ...]
+    torchrun --nproc-per-node CP tests/helpers/mp_cp.py OUT.pt --init INIT.pt [--bshd] [key=value ...]
 
 Every rank builds the proxy model, loads INIT.pt (written by the first, CP=1 run, so all
 layouts start from the same weights), takes its share of the batch, and runs forward and
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 PAD_MULTIPLE = 8  # 2*cp for cp = 4: every layout packs the very same row

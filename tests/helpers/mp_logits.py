@@ -1,6 +1,6 @@
 """Run by tests under torchrun: logits of an imported checkpoint under a TP/EP layout.
 
-    torchrun --nproc-per-node N tests/mp_logits.py CKPT OUT.pt --tp T --ep E [--save-weights DIR]
+    torchrun --nproc-per-node N tests/helpers/mp_logits.py CKPT OUT.pt --tp T --ep E [--save-weights DIR]
 
 Every rank feeds the same parity sample; rank 0 writes the full-vocabulary logits to OUT.pt.
 With --save-weights the model is also saved (weights-only) under this layout, so tests can
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 

@@ -11,7 +11,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PROXY = "configs/qwen35_vl_proxy.yaml"
 # a few seconds per step on two CPU cores
 TINY = ["train.seq_length=256", "train.global_batch_size=1", "data.max_image_side=64", "data.max_text_tokens=48",
