@@ -6,13 +6,16 @@ produces ``(batch, loader_state_after_batch)`` pairs into a bounded queue, so
 ``state_dict()`` always describes what the *trainer consumed*, never what was prefetched:
 a checkpoint resumes exactly where training stopped. An exception in the thread is raised
 in the trainer on the next ``next()``. On CUDA, tensors are pinned so host-to-device copies
-can be asynchronous.
+can be asynchronous. ``wait_s`` counts the seconds the trainer waited for a batch the thread had
+not finished: the log's ``data_wait_s`` (a loader that does not keep ahead of the GPU shows there,
+not as slower kernels).
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import torch
 
@@ -24,6 +27,7 @@ class Prefetcher:
         self.iterator = iterator
         self.pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._state = iterator.state_dict()
+        self.wait_s = 0.0  # host seconds the trainer spent waiting on an empty queue
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._work, name="batch-prefetch", daemon=True)
@@ -51,7 +55,12 @@ class Prefetcher:
         return self
 
     def __next__(self) -> dict:
-        batch, state, error = self._queue.get()
+        try:
+            batch, state, error = self._queue.get_nowait()
+        except queue.Empty:
+            start = time.perf_counter()
+            batch, state, error = self._queue.get()
+            self.wait_s += time.perf_counter() - start
         if error is not None:
             raise error
         self._state = state

@@ -498,7 +498,7 @@ def _emit(p: _PendingLog, peak, sink: MetricsSink, result: TrainResult, guard: N
         # real tokens / tokens processed (padding included): how full the packed rows were
         "real_token_fraction": totals[2] / max(p.host["processed_tokens"], 1),
     }
-    metrics.update({k: v for k, v in p.host.items() if k.startswith(("cuda_graph", "rows_", "val_"))})
+    metrics.update({k: v for k, v in p.host.items() if k.startswith(("cuda_graph", "rows_", "val_", "data_"))})
     error = None
     if guard is not None:
         guard_metrics, error = guard.review(p.it, totals[6:])
@@ -518,6 +518,8 @@ def _data_counts(batches) -> dict:
     out = {"rows_read": summary["rows_read"], "rows_skipped": summary["rows_skipped"]}
     if summary["skipped_by_reason"]:
         out["rows_skipped_by_reason"] = summary["skipped_by_reason"]
+    if hasattr(batches, "wait_s"):  # the prefetch thread: how long the trainer waited on it in all
+        out["data_wait_s"] = round(batches.wait_s, 3)
     return out
 
 

@@ -95,7 +95,18 @@ def run_ours(cfg, warmup: int, steps: int) -> dict:
         # share of the timed log windows in which some micro-batch ran eager layers instead of graphs
         "eager_step_share": eager_step_share(rows, warmup),
         "graph_capture_s": rows[-1].get("cuda_graph_capture_s"),
+        # seconds per timed step the trainer waited for the loader (the prefetch thread fell behind)
+        "data_wait_s_per_step": data_wait_per_step(rows, warmup, steps),
     }
+
+
+def data_wait_per_step(rows: list[dict], warmup: int, steps: int) -> float | None:
+    """Mean host seconds per timed step spent waiting for a batch, from metrics.jsonl's cumulative
+    ``data_wait_s``; None without the prefetch thread."""
+    if not any("data_wait_s" in r for r in rows):
+        return None
+    before = [r.get("data_wait_s", 0.0) for r in rows if r["step"] <= warmup]
+    return (rows[-1].get("data_wait_s", 0.0) - (before[-1] if before else 0.0)) / steps
 
 
 def step_spread(times: list[float]) -> dict:
@@ -608,6 +619,9 @@ def _summary(r: dict) -> None:
         print(f"        step time median {r['step_time_median_s']:.3f} s, p90 {r['step_time_p90_s']:.3f} s"
               + ("" if eager is None else f"; {eager:.0%} of the timed steps ran some layers eagerly, "
                  f"{r.get('graph_capture_s') or 0:.1f} s of graph capture in the run"), file=sys.stderr)
+    if r.get("data_wait_s_per_step"):
+        print(f"        {r['data_wait_s_per_step']:.3f} s per step waiting for the loader (data.num_workers "
+              "adds decode processes)", file=sys.stderr)
     if r.get("graph_captures_in_timed_steps"):
         print(f"        ({r['graph_captures_in_timed_steps']} CUDA graph capture(s) inside the timed steps: "
               "a longer --warmup leaves them out)", file=sys.stderr)

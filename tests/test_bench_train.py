@@ -91,7 +91,7 @@ def test_graph_captures_inside_the_timed_steps_are_counted():
 
 def test_step_spread_and_eager_share():
     sys.path.insert(0, str(ROOT / "scripts"))
-    from bench_train import eager_step_share, step_spread
+    from bench_train import data_wait_per_step, eager_step_share, step_spread
 
     spread = step_spread([0.3, 0.1, 0.2, 0.9, 0.25, 0.2, 0.22, 0.21, 0.24, 0.23])
     assert spread == {"step_time_median_s": pytest.approx(0.225), "step_time_p90_s": 0.3}
@@ -100,6 +100,9 @@ def test_step_spread_and_eager_share():
     assert eager_step_share(rows, warmup=1) == 0.5  # steps 3 and 5 of 2-5 ran some layers eagerly
     assert eager_step_share(rows, warmup=0) == 0.6
     assert eager_step_share([{"step": 1}], warmup=0) is None  # no graphs
+    waits = [{"step": s, "data_wait_s": w} for s, w in [(1, 0.5), (2, 0.5), (3, 0.9), (4, 1.3)]]
+    assert data_wait_per_step(waits, warmup=2, steps=2) == pytest.approx(0.4)  # 0.8 s over steps 3-4
+    assert data_wait_per_step([{"step": 1}], warmup=0, steps=1) is None  # no prefetch thread
 
 
 def test_hf_inputs_keep_our_tokens_labels_and_images():

@@ -328,6 +328,39 @@ def test_prefetcher_yields_the_same_batches_and_reports_consumed_state(ds):
         fetched.close()
 
 
+def test_prefetcher_counts_the_time_the_trainer_waits_for_a_slow_loader():
+    """data_wait_s: a loader slower than the trainer shows as waiting; batches built ahead do not."""
+    import time
+
+    from data.prefetch import Prefetcher
+
+    class Slow:
+        def __init__(self, delay):
+            self.delay = delay
+
+        def state_dict(self):
+            return {}
+
+        def __next__(self):
+            time.sleep(self.delay)
+            return {"x": 1}
+
+    slow = Prefetcher(Slow(0.05), depth=1, pin_memory=False)
+    try:
+        for _ in range(4):
+            next(slow)
+        assert slow.wait_s >= 0.1  # each batch was requested before the thread had built it
+    finally:
+        slow.close()
+    ahead = Prefetcher(Slow(0.0), depth=2, pin_memory=False)
+    try:
+        time.sleep(0.2)  # the queue fills while the trainer works
+        next(ahead)
+        assert ahead.wait_s == 0.0
+    finally:
+        ahead.close()
+
+
 def test_prefetcher_raises_loader_errors_in_the_trainer():
     from data.prefetch import Prefetcher
 

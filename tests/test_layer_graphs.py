@@ -183,7 +183,7 @@ def test_vision_bucket_pads_segments_and_positions():
     geo = VisionGeometry(cu_seqlens=cu, max_seqlen=28, rot_pos=None, interp_index=None, interp_weight=None)
     pos = torch.arange(3 * 44).reshape(3, 44)
     inv = torch.ones(4)
-    bucket = _Bucket(64, 4, (pos, inv, (0, 2, 2)), "cpu")
+    bucket = _Bucket(64, 4, (pos, inv, (0, 2, 2)), "cpu")  # 64 rows, 4 segment slots
     bucket.load((pos, inv, (0, 2, 2)), geo, 44)
     # two images, then the padding rows [44, 64) as a segment of their own, then empty segments
     assert bucket.cu.tolist() == [0, 16, 44, 64, 64, 64]
@@ -230,7 +230,8 @@ def test_graphed_vision_encoder_equals_eager(mcore, with_decoder, to_main_grad, 
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
         _assert_rounding_close(grads, eager_grads)
     assert graphs.failed is None and not graphs.eager_batches
-    assert sorted(graphs.buckets) == [32, 64, 128] and graphs.graphed_batches == 6 and graphs.captures == 3
+    assert sorted(graphs.buckets) == [(32, 8), (64, 8), (128, 8)]  # (rows, segment slots)
+    assert graphs.graphed_batches == 6 and graphs.captures == 3
     # to_main_grad: no shared gradient buffers; every gradient the graph computes is added to main_grad,
     # and the embeddings, which run outside the graph, are left to their own backward (a placeholder
     # for them would make DDP's hook drop their real gradient)
@@ -292,8 +293,28 @@ def test_vision_buckets_captured_up_front_serve_every_later_batch(mcore):
     graphs = model.vision_model.install_cuda_graphs(32, 8, 8, graph_factory=layer_graphs.EagerStandIn,
                                                     warmup_patches=120)
     losses, grads = accumulate(ddp, model, batches)
-    assert sorted(graphs.buckets) == bucket_sizes(120, 32) == [32, 64, 96, 128]
+    assert sorted(rows for rows, _ in graphs.buckets) == bucket_sizes(120, 32) == [32, 64, 96, 128]
     assert graphs.graphed_batches == 3 and not graphs.eager_batches and graphs.capture_s > 0
+    for a, b in zip(losses, eager_losses):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    _assert_rounding_close(grads, eager_grads)
+
+
+def test_micro_batches_of_many_images_replay_buckets_with_more_segment_slots(mcore, monkeypatch):
+    """A bucket is a row count and a number of segment slots: micro-batches of up to
+    FEW_SEGMENTS images replay graphs with that many slots (the varlen grid is smaller), those of
+    more replay graphs with max_images slots; both give the eager results."""
+    from models.qwen35_vl import vision_graphs
+
+    monkeypatch.setattr(vision_graphs, "FEW_SEGMENTS", 2)
+    assert [vision_graphs.segment_slots(n, 8) for n in (1, 2, 3, 8)] == [2, 2, 8, 8]
+    model, ddp, batches = _setup()
+    eager_losses, eager_grads = accumulate(ddp, model, batches)
+    graphs = model.vision_model.install_cuda_graphs(32, 8, 8, graph_factory=layer_graphs.EagerStandIn)
+    losses, grads = accumulate(ddp, model, batches)
+    # 4 images in 64 rows, 1 in 32, 6 in 128
+    assert sorted(graphs.buckets) == [(32, 2), (64, 8), (128, 8)] and not graphs.eager_batches
+    assert [b.cu.numel() for _, b in sorted(graphs.buckets.items())] == [4, 10, 10]
     for a, b in zip(losses, eager_losses):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     _assert_rounding_close(grads, eager_grads)
@@ -313,7 +334,7 @@ def test_vision_micro_batches_that_do_not_fit_run_eagerly_and_are_counted(mcore)
     # (a 32-row bucket) is beyond the bucket limit, batch 2 (6 images) has too many images
     graphs = model.vision_model.install_cuda_graphs(32, 1, 4, graph_factory=layer_graphs.EagerStandIn)
     losses, grads = accumulate(ddp, model, batches)
-    assert graphs.graphed_batches == 1 and list(graphs.buckets) == [64]
+    assert graphs.graphed_batches == 1 and list(graphs.buckets) == [(64, 4)]
     assert graphs.eager_batches == {
         "a 32-patch bucket beyond train.cuda_graph_vision_max_buckets=1 (raise it or train.cuda_graph_vision_bucket)": 1,
         "more than train.cuda_graph_max_samples=4 attention segments (images, video frame pairs) in a micro-batch": 1}

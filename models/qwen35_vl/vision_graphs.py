@@ -16,8 +16,12 @@ How:
 - The padding rows form one attention segment of their own, so no real patch attends to them,
   and their merger outputs are dropped: their gradient is zero and adds nothing to the weight
   gradients. Real rows compute what the eager encoder computes.
-- Per-image segment offsets (``cu_seqlens``, padded with empty segments up to ``max_images``) and
-  the rotary positions are copied into each bucket's static buffers on the device.
+- Per-image segment offsets (``cu_seqlens``, padded with empty segments up to the bucket's slots)
+  and the rotary positions are copied into each bucket's static buffers on the device. A bucket
+  is a row count and a number of segment slots (``segment_slots``): 16, or ``max_images`` for
+  micro-batches with more images. Flash attention's varlen grid launches a block row for every
+  slot, empty or not, of every head and query tile, so 64 slots for a handful of images cost a
+  fifth of the vision attention's time (``segment_slots``).
 - All buckets share one memory pool and one set of parameter-gradient buffers: a micro-batch's
   vision forward and backward end before the next micro-batch's begin, so the buckets'
   intermediate memory is never live at the same time. Another bucket costs its inputs, outputs
@@ -49,6 +53,7 @@ log = logging.getLogger(__name__)
 
 
 STEPS_PER_DOUBLING = 8
+FEW_SEGMENTS = 16  # the segment slots of the buckets most micro-batches replay (``segment_slots``)
 
 
 def bucket_rows(patches: int, unit: int) -> int:
@@ -61,6 +66,17 @@ def bucket_rows(patches: int, unit: int) -> int:
     return -(-units // step) * step * unit
 
 
+def segment_slots(segments: int, max_images: int) -> int:
+    """The attention segment slots of the graph a micro-batch of ``segments`` images (or video
+    frame pairs) replays: ``FEW_SEGMENTS``, or ``max_images`` beyond. Why not always
+    ``max_images``: the varlen kernels' grid covers every slot, and each empty slot's blocks still
+    start and exit. On an H200, one vision layer's attention forward and backward over four images
+    (17.5K patches in an 18K row) took 6.12 ms with 64 slots, 5.20 ms with 6, 5.07 ms exact: 1 ms a
+    layer, 24 ms a step of the 2B encoder (docs/benchmarks/varlen_grid_h200_2026-12-03.json)."""
+    few = min(FEW_SEGMENTS, max_images)
+    return few if segments <= few else max_images
+
+
 def bucket_sizes(max_patches: int, unit: int) -> list[int]:
     """Every bucket a micro-batch of up to ``max_patches`` patches can land in, ascending."""
     return sorted({bucket_rows(p, unit) for p in range(unit, max_patches + unit, unit)})
@@ -69,9 +85,10 @@ def bucket_sizes(max_patches: int, unit: int) -> list[int]:
 class _Bucket:
     """Static inputs of one padded patch count: the rows, segment offsets and rotary positions."""
 
-    def __init__(self, rows: int, max_images: int, angles, device):
-        self.rows = rows
-        self.cu = torch.full((max_images + 2,), rows, dtype=torch.int32, device=device)
+    def __init__(self, rows: int, slots: int, angles, device):
+        self.rows, self.slots = rows, slots
+        # the image segments, then the padding rows' segment, then the leading zero
+        self.cu = torch.full((slots + 2,), rows, dtype=torch.int32, device=device)
         self.geo = VisionGeometry(cu_seqlens=self.cu, max_seqlen=rows, rot_pos=None, interp_index=None,
                                   interp_weight=None)
         # fused rotary: (positions [3, N], inv_freq, section); reference rotary: angles [N, 1, D]
@@ -110,7 +127,7 @@ class VisionGraphs:
         self.eager = encoder.blocks_and_merger
         self.eager_embed = encoder.embed_patches
         self._new_graph = graph_factory or (lambda: torch.cuda.CUDAGraph())
-        self.buckets: dict[int, _Bucket] = {}
+        self.buckets: dict[tuple[int, int], _Bucket] = {}  # (rows, segment slots) -> its graphs
         self.params = [p for p in encoder.parameters() if p.requires_grad]
         self.grads: list[torch.Tensor] | None = None  # shared by every bucket's backward graph
         self.grads_to_main_grad = grads_to_main_grad  # see LayerGraph.to_main_grad
@@ -146,13 +163,14 @@ class VisionGraphs:
         return self.eager_embed(F.pad(pixel_values, (0, 0, 0, self._rows(n) - n)))[:n]
 
     def _run(self, x: torch.Tensor, angles, geo: VisionGeometry) -> torch.Tensor:
-        if self.warmup_patches and self._refusal(geo, 0) is None:
+        if self.warmup_patches and self._refusal(geo, None) is None:
             self._capture_up_front(x, angles)
         rows = self._rows(x.shape[0])
-        reason = self._refusal(geo, rows)
-        bucket = self.buckets.get(rows)
+        key = (rows, segment_slots(geo.cu_seqlens.numel() - 1, self.max_images))
+        reason = self._refusal(geo, key)
+        bucket = self.buckets.get(key)
         if reason is None and bucket is None:
-            bucket, reason = self._try_capture(x, angles, geo, rows)
+            bucket, reason = self._try_capture(x, angles, geo, key)
         if reason is not None:
             count_eager(self.eager_batches, reason, "vision encoder")
             return self.eager(x, angles, geo)
@@ -170,7 +188,8 @@ class VisionGraphs:
     def _capture_up_front(self, like: torch.Tensor, angles) -> None:
         """Capture every bucket up to ``warmup_patches`` now, on synthetic rows shaped like ``like``
         (one attention segment, positions 0), so later steps never stop to capture
-        (``train.cuda_graph_vision_warmup_patches``)."""
+        (``train.cuda_graph_vision_warmup_patches``). Only the ``FEW_SEGMENTS`` slots: a
+        micro-batch of more images is captured when it comes."""
         limit, self.warmup_patches = self.warmup_patches, 0
         # largest first: the buckets share one memory pool, and each capture frees its activations
         # at the end of its backward, so smaller buckets reuse the blocks of larger ones; in
@@ -178,8 +197,9 @@ class VisionGraphs:
         sizes = sorted(bucket_sizes(limit, self.bucket), reverse=True)
         start, gen = time.perf_counter(), torch.Generator(device=like.device).manual_seed(0)
         reserved = torch.cuda.memory_reserved(like.device) if like.is_cuda else 0
+        slots = segment_slots(1, self.max_images)
         for rows in sizes:
-            if rows in self.buckets or len(self.buckets) >= self.max_buckets:
+            if (rows, slots) in self.buckets or len(self.buckets) >= self.max_buckets:
                 continue
             x = torch.randn(rows, like.shape[1], generator=gen, device=like.device, dtype=like.dtype)
             x.requires_grad_(like.requires_grad)  # the graphs differentiate their input as the real one needs
@@ -190,14 +210,14 @@ class VisionGraphs:
                         angles[1], angles[2])
             else:
                 fake = torch.zeros((rows, *angles.shape[1:]), dtype=angles.dtype, device=like.device)
-            _bucket, reason = self._try_capture(x, fake, geo, rows)
+            _bucket, reason = self._try_capture(x, fake, geo, (rows, slots))
             if reason is not None:
                 return
         grown = (torch.cuda.memory_reserved(like.device) - reserved) / 2**30 if like.is_cuda else 0.0
         log.info("CUDA graphs: %d vision buckets up to %d patches captured before training in %.1f s "
                  "(GPU memory reserved grew by %.1f GiB)", len(self.buckets), limit, time.perf_counter() - start, grown)
 
-    def _refusal(self, geo, rows) -> str | None:
+    def _refusal(self, geo, key: tuple[int, int] | None) -> str | None:
         if self.failed is not None:
             return f"vision capture failed: {self.failed}"
         if not (torch.is_grad_enabled() and self.encoder.training):
@@ -206,13 +226,13 @@ class VisionGraphs:
             # a segment is an image or one frame pair of a video (attention stays within it)
             return (f"more than train.cuda_graph_max_samples={self.max_images} attention segments (images, "
                     "video frame pairs) in a micro-batch")
-        if rows not in self.buckets and len(self.buckets) >= self.max_buckets:
-            return (f"a {rows}-patch bucket beyond train.cuda_graph_vision_max_buckets={self.max_buckets} "
+        if key is not None and key not in self.buckets and len(self.buckets) >= self.max_buckets:
+            return (f"a {key[0]}-patch bucket beyond train.cuda_graph_vision_max_buckets={self.max_buckets} "
                     "(raise it or train.cuda_graph_vision_bucket)")
         return None
 
-    def _try_capture(self, x, angles, geo, rows):
-        bucket = _Bucket(rows, self.max_images, angles, x.device)
+    def _try_capture(self, x, angles, geo, key: tuple[int, int]):
+        bucket = _Bucket(*key, angles, x.device)
         bucket.load(angles, geo, x.shape[0])
         start = time.perf_counter()
         try:
@@ -227,9 +247,9 @@ class VisionGraphs:
             return None, f"vision capture failed: {self.failed}"
         finally:
             self.capture_s += time.perf_counter() - start
-        self.buckets[rows] = bucket
-        log.info("CUDA graphs: captured the vision encoder (forward and backward) for %d patches "
-                 "(bucket %d of at most %d) in %.1f s", rows, len(self.buckets), self.max_buckets,
+        self.buckets[key] = bucket
+        log.info("CUDA graphs: captured the vision encoder (forward and backward) for %d patches in up to "
+                 "%d images (bucket %d of at most %d) in %.1f s", *key, len(self.buckets), self.max_buckets,
                  time.perf_counter() - start)
         return bucket, None
 
