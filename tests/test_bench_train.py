@@ -79,8 +79,7 @@ def test_bench_train_skip_hf(tmp_path):
 
 
 def test_graph_captures_inside_the_timed_steps_are_counted():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from bench_train import captures_in_timed_steps
+    from scripts.bench_train import captures_in_timed_steps
 
     rows = [{"step": s, "cuda_graph_captures": c} for s, c in [(1, 2), (2, 3), (3, 3), (4, 5), (5, 5)]]
     assert captures_in_timed_steps(rows, warmup=3) == 2  # 3 after warm-up, 5 at the end
@@ -90,8 +89,7 @@ def test_graph_captures_inside_the_timed_steps_are_counted():
 
 
 def test_step_spread_and_eager_share():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from bench_train import data_wait_per_step, eager_step_share, step_spread
+    from scripts.bench_train import data_wait_per_step, eager_step_share, step_spread
 
     spread = step_spread([0.3, 0.1, 0.2, 0.9, 0.25, 0.2, 0.22, 0.21, 0.24, 0.23])
     assert spread == {"step_time_median_s": pytest.approx(0.225), "step_time_p90_s": 0.3}

@@ -19,9 +19,8 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from multimodal.config import ConfigError, load_config  # noqa: E402
+from multimodal.config import ConfigError, load_config
 from multimodal.dry_run import check_layout, model_params, stage_params  # noqa: E402
 
 DENSE, MOE = "configs/qwen35_vl_proxy.yaml", "configs/qwen35_vl_proxy_moe.yaml"

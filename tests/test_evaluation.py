@@ -18,11 +18,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-for _p in (ROOT, ROOT / "tests"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
 
-from multimodal.config import ConfigError, load_config, validate  # noqa: E402
+from multimodal.config import ConfigError, load_config, validate
 
 PROXY = "configs/qwen35_vl_proxy.yaml"
 # a few seconds a step on 2 CPU cores; two rows per step, so a global batch is two micro-batches

@@ -23,8 +23,7 @@ from kernels import fused_pre_gdr as fp
 from kernels.rotary import inverse_frequencies
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "gpu"))
-import test_fused_kernels_gpu as harness  # noqa: E402
+from gpu import test_fused_kernels_gpu as harness  # tests/ is on sys.path (conftest)
 
 
 # ----------------------------------------------------------------------------- Triton (interpreter)

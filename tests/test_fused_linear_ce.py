@@ -15,9 +15,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from kernels.fused_linear_ce import fused_linear_cross_entropy, linear_cross_entropy_reference  # noqa: E402
+from kernels.fused_linear_ce import fused_linear_cross_entropy, linear_cross_entropy_reference
 
 TOL = {torch.float32: dict(loss=1e-5, grad=1e-5), torch.bfloat16: dict(loss=2e-2, grad=2e-2)}
 
