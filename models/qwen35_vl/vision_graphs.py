@@ -72,7 +72,7 @@ def segment_slots(segments: int, max_images: int) -> int:
     ``max_images``: the varlen kernels' grid covers every slot, and each empty slot's blocks still
     start and exit. On an H200, one vision layer's attention forward and backward over four images
     (17.5K patches in an 18K row) took 6.12 ms with 64 slots, 5.20 ms with 6, 5.07 ms exact: 1 ms a
-    layer, 24 ms a step of the 2B encoder (docs/benchmarks/varlen_grid_h200_2026-12-03.json)."""
+    layer, 24 ms a step of the 2B encoder (docs/benchmarks/varlen_slots_h200_2026-12-03.json)."""
     few = min(FEW_SEGMENTS, max_images)
     return few if segments <= few else max_images
 
