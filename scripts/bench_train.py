@@ -454,7 +454,8 @@ def ab_runs(args, out_dir: str, forced: list[str], rt) -> dict:
         for name, overrides in (("b", extra), ("a_again", [])):
             # (the trainer resets the peak-memory counter itself once the model is built)
             r = run_ours_again(args, Path(out_dir) / f"ab{i}_{name}", [*args.overrides, *overrides, *forced], rt)
-            rows[name] = {k: r[k] for k in ("step_time_s", "tokens_per_s", "mfu", "peak_mem_gib", "loss_last")}
+            rows[name] = {k: r.get(k) for k in ("step_time_s", "step_time_median_s", "step_time_p90_s", "tokens_per_s", "mfu",
+                                                "peak_mem_gib", "loss_last", "data_wait_s_per_step")}
             log.info("ab %s %s: %.4f s/step", spec, name, r["step_time_s"])
         out[spec] = rows
     return out
