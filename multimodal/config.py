@@ -71,8 +71,8 @@ class DataConfig:
     # competes with the model for the cores: 30 proxy steps took 78 s with it, 62 s without)
     prefetch: int | None = None
     # processes that decode/tokenise samples ahead of the trainer (0: in the training process);
-    # worth it for real images (CORD), not for the mock data set
-    num_workers: int = 0
+    # None: up to 4 per rank on a GPU, 0 on a CPU (data.loader.default_num_workers)
+    num_workers: int | None = None
     # packing: rows are filled best-fit from the next this-many samples (the oldest always first,
     # so none waits more than this many rows); 0 packs strictly in order. The 2B recipe's mock
     # rows: 89.0% real tokens in order, 98.7% with 16 (scripts/bench_loader.py's pack_fill)
@@ -430,7 +430,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _require(len(d.image_mean) == 3 and len(d.image_std) == 3 and all(x > 0 for x in d.image_std),
              "data.image_mean and data.image_std need 3 values (RGB), std > 0")
     _require(d.pad_multiple is None or d.pad_multiple >= 1, "data.pad_multiple must be >= 1 or null (auto)")
-    _require(d.num_workers >= 0, "data.num_workers must be >= 0 (0 reads samples in the training process)")
+    _require(d.num_workers is None or d.num_workers >= 0,
+             "data.num_workers must be >= 0 (0 reads samples in the training process) or null (auto)")
     _require(d.pack_lookahead >= 0, "data.pack_lookahead must be >= 0 (0 packs samples strictly in order)")
     _require(o.lr_decay_style in ("cosine", "linear", "constant"),
              f"optimizer.lr_decay_style must be cosine|linear|constant, got {o.lr_decay_style!r}")

@@ -22,7 +22,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from data.loader import MicroBatchIterator, build_dataset
+from data.loader import MicroBatchIterator, build_dataset, default_num_workers
 from data.prefetch import Prefetcher
 from models import get_model_builder, get_model_family
 from multimodal import checkpointing, platform
@@ -242,6 +242,9 @@ def _build_and_loop(cfg: Config, rt: Runtime, dtype: torch.dtype, mem: MemoryToo
         log.info("model %s: %.2fM parameters per rank, dtype %s, device %s, dp=%d, pp=%d, micro-batches/step=%d",
                  m.name, n_params / 1e6, dtype, rt.device, dp_size, cfg.parallel.pp, num_microbatches)
 
+    if cfg.data.num_workers is None:  # resolved here, so the saved config says what ran
+        cfg.data.num_workers = default_num_workers(rt.is_cuda)
+        log.info("data: %d decode worker process(es) per rank (data.num_workers)", cfg.data.num_workers)
     dataset = build_dataset(m, cfg.data, t.seq_length)
     loader = MicroBatchIterator(
         dataset, t.seq_length, m.pad_token_id, m.vision_token_ids, m.vision.spatial_merge_size,

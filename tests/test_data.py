@@ -410,3 +410,18 @@ def test_mock_text_never_holds_a_special_id_of_a_real_vocabulary():
         assert not (ids == m.video_token_id).any()
         image_tokens = int((ids == m.image_token_id).sum())
         assert image_tokens == int(ds[i]["image_grid_thw"].prod(-1).sum()) // m.vision.spatial_merge_size**2
+
+
+def test_default_decode_workers_follow_the_cores_of_each_gpu_rank(monkeypatch):
+    """data.num_workers: null -> up to 4 workers per GPU rank, two cores left to the trainer; none on CPU."""
+    import os
+
+    from data.loader import default_num_workers
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert default_num_workers(False) == 0
+    assert default_num_workers(True, local_world_size=1) == 4  # the 16-core, one-H200 machine
+    assert default_num_workers(True, local_world_size=4) == 2
+    assert default_num_workers(True, local_world_size=8) == 0
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "5")  # torchrun's, when not given
+    assert default_num_workers(True) == 1
