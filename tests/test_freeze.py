@@ -125,3 +125,40 @@ def test_frozen_linears_take_a_2d_input(mcore, monkeypatch):
         grad = torch.arange(y.numel(), dtype=torch.float32).view(16, -1) @ layer.weight
         torch.testing.assert_close(x.grad.float().view(16, -1), grad)
     assert seen == [2, 2]
+
+
+def test_training_flops_count_the_passes_frozen_parts_run():
+    """MFU's FLOPs: 3 x forward for what trains; a frozen weight's backward computes only its
+    input gradient, and nothing runs backward below the lowest trained part."""
+    import copy
+
+    from models.common.training_passes import TrainingPasses
+    from models.qwen35_vl.flops import decoder_flops_per_token, vision_flops
+    from multimodal.flops import training_flops
+
+    m = load_config("configs/qwen35_vl_2b.yaml").model
+    lengths, grids = [8192], [(1, 28, 28)]
+    per_token, per_pair = decoder_flops_per_token(m)
+    forward = per_token * 8192 + per_pair * 8192 * 8193 / 2 + vision_flops(m, grids)
+    assert training_flops(m, lengths, grids) == pytest.approx(3 * forward, rel=1e-12)
+
+    def passes(**changes):
+        c = copy.deepcopy(m)
+        for key, value in changes.items():
+            if key == "rank":
+                c.lora.rank = value
+            else:
+                setattr(c, key, value)
+        p = TrainingPasses.of(c)
+        return (p.decoder_weights, p.decoder_core, p.lm_head, p.vision, p.merger), training_flops(c, lengths, grids)
+
+    assert passes()[0] == (3, 3, 3, 3, 3)
+    # LoRA: base weights frozen, adapters in every layer: input gradients through the decoder only
+    (lora, lora_flops) = passes(rank=16)
+    assert lora == (2, 3, 2, 1, 1) and lora_flops < 0.7 * 3 * forward
+    assert passes(freeze=["vision"])[0] == (3, 3, 3, 1, 2)  # the merger trains, the blocks run forward only
+    assert passes(freeze=["vision", "merger"])[0] == (3, 3, 3, 1, 1)
+    # the decoder frozen under a trained encoder: its backward still runs, for the input gradients
+    assert passes(freeze=["language", "embedding", "lm_head"])[0] == (2, 3, 2, 3, 3)
+    # only the LM head trains: its forward and weight gradient, nothing backward below it
+    assert passes(freeze=["vision", "merger", "language", "embedding"])[0] == (1, 1, 2, 1, 1)

@@ -2,7 +2,8 @@
 only (padding is free work, not credit).
 
 Forward FLOPs are 2 x multiply-accumulates of every matmul a real token takes part in;
-training = 3 x forward (backward costs two forwards). Per component:
+training = 3 x forward (backward costs two forwards), less for frozen parts
+(models/common/training_passes.py). Per component:
 - full attention: projections, plus causal scores/values 4*H*d per (query, key) pair
   inside each sample: sum over samples of L(L+1)/2 pairs;
 - Gated DeltaNet: projections, conv, and the chunked delta rule (per token and value
@@ -16,11 +17,20 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from models.common.training_passes import TrainingPasses
+
 CHUNK = 64
 
 
 def decoder_flops_per_token(m) -> tuple[float, float]:
     """(forward FLOPs per token excluding attention scores, attention-score FLOPs per pair)."""
+    weights, core, head, per_pair = _decoder_parts(m)
+    return float(weights + core + head), float(per_pair)
+
+
+def _decoder_parts(m) -> tuple[float, float, float, float]:
+    """Forward FLOPs per token of the decoder's weights, of its weight-free products (the delta
+    rule), of the LM head; and the attention-score FLOPs per (query, key) pair."""
     h = m.hidden_size
     n_attn = sum(1 for i in range(m.num_layers) if m.is_full_attention(i))
     n_gdn = m.num_layers - n_attn
@@ -32,40 +42,47 @@ def decoder_flops_per_token(m) -> tuple[float, float]:
     nv = m.linear_num_value_heads
     gdn = 2 * h * (2 * qk + 2 * v + 2 * nv) + 2 * v * h
     gdn += 2 * m.linear_conv_kernel_dim * (2 * qk + v)
-    gdn += nv * (4 * dk * dv + 2 * CHUNK * (dk + dv))
+    gdn_core = nv * (4 * dk * dv + 2 * CHUNK * (dk + dv))
     if m.num_experts:
         mlp = m.moe_router_topk * 6 * h * m.moe_ffn_hidden_size + 2 * h * m.num_experts
         mlp += 6 * h * m.moe_shared_expert_intermediate_size + (2 * h if m.moe_shared_expert_intermediate_size else 0)
     else:
         mlp = 6 * h * m.ffn_hidden_size
-    per_token = n_attn * attn_proj + n_gdn * gdn + m.num_layers * mlp + 2 * h * m.vocab_size
-    per_pair = n_attn * 4 * q  # QK^T and PV per (query, key) pair
-    return float(per_token), float(per_pair)
+    weights = n_attn * attn_proj + n_gdn * gdn + m.num_layers * mlp
+    return float(weights), float(n_gdn * gdn_core), float(2 * h * m.vocab_size), float(n_attn * 4 * q)
 
 
 def vision_flops(m, image_grids: Iterable[tuple[int, int, int]]) -> float:
+    return sum(_vision_parts(m, image_grids))
+
+
+def _vision_parts(m, image_grids: Iterable[tuple[int, int, int]]) -> tuple[float, float]:
+    """Forward FLOPs of the encoder (patch embedding, blocks, attention within each frame) and of
+    the merger."""
     v = m.vision
     h, f, merge2 = v.hidden_size, v.intermediate_size, v.spatial_merge_size**2
     patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
     per_patch = 2 * patch_dim * h + v.depth * (2 * h * 3 * h + 2 * h * h + 4 * h * f)
-    total = 0.0
+    encoder = merger = 0.0
     for t, gh, gw in image_grids:
         n = t * gh * gw
-        total += n * per_patch
-        total += v.depth * 4 * h * (gh * gw) ** 2 * t  # full (non-causal) attention per frame
-        merged = n // merge2
-        total += merged * (2 * (h * merge2) ** 2 + 2 * h * merge2 * m.hidden_size)
-    return total
+        encoder += n * per_patch
+        encoder += v.depth * 4 * h * (gh * gw) ** 2 * t  # full (non-causal) attention per frame
+        merger += n // merge2 * (2 * (h * merge2) ** 2 + 2 * h * merge2 * m.hidden_size)
+    return encoder, merger
 
 
 def training_flops(m, sample_lengths: Iterable[int], image_grids: Iterable[tuple[int, int, int]],
                    lm_head_tokens: int | None = None) -> float:
     """FLOPs of forward + backward for the given real samples. ``lm_head_tokens``: how many tokens
-    the LM head ran on (``model.sparse_lm_head``: the loss tokens); None: every real token."""
-    per_token, per_pair = decoder_flops_per_token(m)
+    the LM head ran on (``model.sparse_lm_head``: the loss tokens); None: every real token. Frozen
+    parts (``model.freeze``, LoRA's base weights) count the passes they run (TrainingPasses)."""
+    passes = TrainingPasses.of(m)
+    weights, core, head, per_pair = _decoder_parts(m)
     lengths = list(sample_lengths)
-    fwd = per_token * sum(lengths) + per_pair * sum(L * (L + 1) / 2 for L in lengths)
-    if lm_head_tokens is not None:  # the LM head skipped the tokens without loss
-        fwd -= 2 * m.hidden_size * m.vocab_size * (sum(lengths) - lm_head_tokens)
-    fwd += vision_flops(m, image_grids)
-    return 3.0 * fwd
+    tokens = sum(lengths)
+    pairs = sum(L * (L + 1) / 2 for L in lengths)
+    head_tokens = tokens if lm_head_tokens is None else lm_head_tokens
+    encoder, merger = _vision_parts(m, image_grids)
+    return (passes.decoder_weights * weights * tokens + passes.decoder_core * (core * tokens + per_pair * pairs)
+            + passes.lm_head * head * head_tokens + passes.vision * encoder + passes.merger * merger)

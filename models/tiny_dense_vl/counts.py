@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from models.common.training_passes import TrainingPasses
+
 from models.family import StageParams
 
 
@@ -70,16 +72,18 @@ def vision_bytes_per_patch(m) -> float:
 
 def training_flops(m, sample_lengths: Iterable[int], image_grids: Iterable[tuple[int, int, int]],
                    lm_head_tokens: int | None = None) -> float:
-    """Forward + backward (3 x forward) FLOPs of the real samples: 2 x multiply-accumulates of every
-    matmul, causal attention scores 4ad per (query, key) pair inside each sample, the LM head at
-    ``lm_head_tokens`` tokens (None: every real token), the vision path per patch."""
+    """Forward + backward FLOPs of the real samples: 2 x multiply-accumulates of every matmul, causal
+    attention scores 4ad per (query, key) pair inside each sample, the LM head at ``lm_head_tokens``
+    tokens (None: every real token), the vision path per patch; 3 x forward for what trains, less
+    for frozen parts (models/common/training_passes.py)."""
+    passes = TrainingPasses.of(m)
     h, a, d = m.hidden_size, m.num_attention_heads, m.head_dim
     lengths = list(sample_lengths)
-    per_token = m.num_layers * 2 * (_attention(m, 1) + _mlp(m, 1))
-    fwd = per_token * sum(lengths) + m.num_layers * 4 * a * d * sum(L * (L + 1) / 2 for L in lengths)
-    fwd += 2 * h * m.vocab_size * (sum(lengths) if lm_head_tokens is None else lm_head_tokens)
+    weights = m.num_layers * 2 * (_attention(m, 1) + _mlp(m, 1)) * sum(lengths)
+    scores = m.num_layers * 4 * a * d * sum(L * (L + 1) / 2 for L in lengths)
+    head = 2 * h * m.vocab_size * (sum(lengths) if lm_head_tokens is None else lm_head_tokens)
     v = m.vision
     patch_dim = v.in_channels * v.temporal_patch_size * v.patch_size**2
     patches = sum(t * gh * gw for t, gh, gw in image_grids)
-    fwd += patches * (2 * patch_dim * v.hidden_size + 2 * v.hidden_size * h)  # embedding; merger per patch
-    return 3.0 * fwd
+    return (passes.decoder_weights * weights + passes.decoder_core * scores + passes.lm_head * head
+            + passes.vision * patches * 2 * patch_dim * v.hidden_size + passes.merger * patches * 2 * v.hidden_size * h)
