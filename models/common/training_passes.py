@@ -32,9 +32,8 @@ class TrainingPasses:
     def of(cls, m) -> "TrainingPasses":
         frozen = set(GROUPS) if m.lora.rank else set(m.freeze)  # LoRA: every base weight is frozen
         trains = {g: g not in frozen for g in GROUPS}
-        if m.lora.rank:
-            trains["language"] = False  # base weights; the adapters in every layer need the input gradients
-        # the backward passes through the decoder when something at or below it trains
+        # the backward passes through the decoder when something at or below it trains (LoRA: the
+        # adapters in every layer, which need the input gradients)
         through_decoder = bool(m.lora.rank) or any(trains[g] for g in ("language", "embedding", "vision", "merger"))
         through_vision = trains["vision"]  # nothing below the encoder trains but itself
         return cls(

@@ -20,8 +20,7 @@ How:
   and the rotary positions are copied into each bucket's static buffers on the device. A bucket
   is a row count and a number of segment slots (``segment_slots``): 16, or ``max_images`` for
   micro-batches with more images. Flash attention's varlen grid launches a block row for every
-  slot, empty or not, of every head and query tile, so 64 slots for a handful of images cost a
-  fifth of the vision attention's time (``segment_slots``).
+  slot, empty or not, of every head and query tile (the cost is in ``segment_slots``).
 - All buckets share one memory pool and one set of parameter-gradient buffers: a micro-batch's
   vision forward and backward end before the next micro-batch's begin, so the buckets'
   intermediate memory is never live at the same time. Another bucket costs its inputs, outputs
@@ -71,8 +70,9 @@ def segment_slots(segments: int, max_images: int) -> int:
     frame pairs) replays: ``FEW_SEGMENTS``, or ``max_images`` beyond. Why not always
     ``max_images``: the varlen kernels' grid covers every slot, and each empty slot's blocks still
     start and exit. On an H200, one vision layer's attention forward and backward over four images
-    (17.5K patches in an 18K row) took 6.12 ms with 64 slots, 5.20 ms with 6, 5.07 ms exact: 1 ms a
-    layer, 24 ms a step of the 2B encoder (docs/benchmarks/varlen_slots_h200_2026-12-03.json)."""
+    (17.5K patches in an 18K row) took 6.13 ms with 66 segments, 5.34 ms with 17 (16 slots and the
+    padding's), 5.02 ms exact: 0.8 ms a layer, 19 ms a step of the 2B encoder
+    (scripts/bench_varlen_slots.py, docs/benchmarks/varlen_slots_h200_2026-12-03.json)."""
     few = min(FEW_SEGMENTS, max_images)
     return few if segments <= few else max_images
 
