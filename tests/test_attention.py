@@ -138,3 +138,90 @@ def test_graphs_keep_a_one_sample_set_only_where_auto_gives_those_rows_cudnn(mon
     monkeypatch.setattr(attn, "cudnn_device_unavailable", lambda device: None)  # as on an H200
     assert layer_graphs.one_segment_set_wanted("auto", torch.device("cuda"))
     assert not layer_graphs.one_segment_set_wanted("varlen", torch.device("cuda"))  # flash for every row
+
+
+@pytest.fixture
+def cudnn_thd_open(monkeypatch):
+    """cuDNN's THD op loads (as on an H200 with nvidia-cudnn-frontend); it is recorded and run
+    through the block-diagonal SDPA path."""
+    calls = []
+    monkeypatch.setattr(attn, "cudnn_packed_unavailable", lambda q: None)
+
+    def fake_op(q, k, v, scale, *, is_causal, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, return_lse):
+        calls.append({"bound": max_seqlen_q, "lse": return_lse, "contiguous": all(t.is_contiguous() for t in (q, k, v))})
+        rep = q.shape[1] // k.shape[1]
+        out = attn._sdpa_packed(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), cu_seqlens_q, is_causal, scale)
+        return out, None
+
+    monkeypatch.setattr(attn, "_cudnn_frontend", lambda: (fake_op, None))
+    return calls
+
+
+def test_auto_takes_cudnn_thd_for_static_non_causal_rows_only(cudnn_thd_open):
+    q, k, v = _qkv(hkv=4)
+    cu = torch.tensor([0, 20, 48], dtype=torch.int32)
+    out = attn.attention(q, k, v, causal=False, cu_seqlens=cu, max_seqlen=48, static_shape=True)
+    assert cudnn_thd_open == [{"bound": 128, "lse": True, "contiguous": True}]
+    ref = attn.attention(q, k, v, causal=False, cu_seqlens=cu, max_seqlen=48, backend="sdpa")
+    torch.testing.assert_close(out, ref)
+    # eager rows (a plan per new shape would be built again and again) and causal rows keep flash/SDPA
+    attn.attention(q, k, v, causal=False, cu_seqlens=cu, max_seqlen=28)
+    attn.attention(q, k, v, causal=True, cu_seqlens=cu, max_seqlen=48, static_shape=True)
+    assert len(cudnn_thd_open) == 1
+    with torch.no_grad():  # no backward coming: the forward keeps no softmax statistics
+        attn.attention(q, k, v, causal=True, cu_seqlens=cu, max_seqlen=48, backend="cudnn")
+    assert cudnn_thd_open[-1]["lse"] is False
+
+
+def test_strided_qkv_reach_cudnn_thd_as_contiguous_copies(cudnn_thd_open):
+    """The vision blocks' q, k, v are slices of one [T, 3, H, D] tensor; cuDNN's backward faulted on
+    them, so they go in contiguous, and gradients still reach the projection."""
+    qkv = torch.randn(48, 3, 4, 8, requires_grad=True)
+    q, k, v = qkv.unbind(1)
+    cu = torch.tensor([0, 30, 48], dtype=torch.int32)
+    out = attn.attention(q, k, v, causal=False, cu_seqlens=cu, max_seqlen=30, static_shape=True)
+    assert cudnn_thd_open[0]["contiguous"]
+    out.sum().backward()
+    ref_in = qkv.detach().clone().requires_grad_()
+    attn.attention(*ref_in.unbind(1), causal=False, cu_seqlens=cu, max_seqlen=30, backend="sdpa").sum().backward()
+    torch.testing.assert_close(qkv.grad, ref_in.grad)
+
+
+def test_a_cudnn_thd_refusal_warns_once_and_falls_back(monkeypatch, caplog):
+    monkeypatch.setattr(attn, "cudnn_packed_unavailable",
+                        lambda q: attn._cudnn_packed_refused[0] if attn._cudnn_packed_refused else None)
+    monkeypatch.setattr(attn, "_cudnn_packed_refused", [])
+    seen = []
+
+    def refusing_op(*a, **kw):
+        seen.append(1)
+        raise RuntimeError("cudnnGraphNotSupportedError: no engine for this configuration")
+
+    monkeypatch.setattr(attn, "_cudnn_frontend", lambda: (refusing_op, None))
+    q, k, v = _qkv(hkv=4)
+    cu = torch.tensor([0, 20, 48], dtype=torch.int32)
+    with caplog.at_level(logging.WARNING, logger=attn.log.name):
+        out = attn.attention(q, k, v, causal=False, cu_seqlens=cu, max_seqlen=28, static_shape=True)
+        again = attn.attention(q, k, v, causal=False, cu_seqlens=cu, max_seqlen=28, static_shape=True)
+    assert seen == [1]  # asked once, then off for the run
+    assert sum("cuDNN packed attention is off" in r.message for r in caplog.records) == 1
+    ref = attn.attention(q, k, v, causal=False, cu_seqlens=cu, max_seqlen=28, backend="sdpa")
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(again, ref)
+
+
+def test_forcing_cudnn_where_it_cannot_run_says_why():
+    q, k, v = _qkv(hkv=4)
+    with pytest.raises(RuntimeError, match="attention backend 'cudnn' cannot run: needs bf16/fp16"):
+        attn.attention(q, k, v, causal=True, cu_seqlens=torch.tensor([0, 48], dtype=torch.int32), max_seqlen=48,
+                       backend="cudnn")
+
+
+def test_seqlen_bounds_cover_the_row_and_stay_few():
+    from models.qwen35_vl.vision_graphs import bucket_sizes
+
+    bounds = {attn.seqlen_bound(n) for n in range(1, 32769)}
+    assert all(attn.seqlen_bound(n) >= n for n in range(1, 32769))
+    assert len(bounds) <= 8 + 8 * 5  # multiples of 128 to 1024, then eight per doubling to 32K
+    # a vision graph bucket's row count (its max_seqlen) is a bound itself: no rows are added
+    assert all(attn.seqlen_bound(rows) == rows for rows in bucket_sizes(24576, 1024))

@@ -11,13 +11,26 @@ Backends:
 - ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` (flash attention, CUDA, bf16/fp16
   only). Its signature changed between torch releases (``is_causal`` in 2.9-2.11,
   ``window_size`` later); both are handled.
-- ``auto``: on CUDA bf16/fp16, cuDNN's fused attention (SDPA's cuDNN backend, k/v repeated to
-  the query heads) for whatever needs no per-sample offsets: unpacked batches, and a packed row
-  that the caller says is one segment (``one_segment``); ``varlen`` for other packed rows; else
-  ``sdpa``. cuDNN only on Hopper or newer with cuDNN >= 9: on the H200 at head_dim 256 it runs the
-  8K causal forward 2.0x and the backward 1.5x faster than flash attention 2, at head_dim 64
-  (vision) 1.5x and 1.4-1.6x (scripts/bench_attention.py, docs/kernels.md).
-  cuDNN's ragged (packed) path is not used: in torch 2.11 it returned wrong dq and then faulted.
+- ``cudnn``: cuDNN for every CUDA bf16/fp16 input: dense rows through SDPA's cuDNN backend,
+  packed rows through cudnn-frontend's THD op (``torch.ops.cudnn.sdpa_fwd``, package
+  ``nvidia-cudnn-frontend``), which hands cuDNN ragged offsets it computes itself. cuDNN's ragged
+  path inside torch (``aten._cudnn_attention_*``) is not used: in torch 2.11 it returned wrong dq
+  and then faulted.
+- ``auto``, on CUDA bf16/fp16 with cuDNN >= 9 on Hopper or newer:
+  - cuDNN dense for whatever needs no per-sample offsets: unpacked batches, and a packed row
+    that the caller says is one segment (``one_segment``). On the H200 at head_dim 256 it runs
+    the 8K causal forward 2.0x and the backward 1.5x faster than flash attention 2, at head_dim 64
+    (vision) 1.5x and 1.4-1.6x (scripts/bench_attention.py, docs/kernels.md).
+  - cuDNN THD for packed non-causal rows of a static shape (``static_shape``: the vision
+    encoder's CUDA-graph buckets), where cudnn-frontend loads. Measured on the H200
+    (scripts/bench_varlen_slots.py): the vision attention (16 heads of 64, four images in an
+    18K-row bucket) runs forward + backward in 3.43 ms against flash's 5.32; the decoder's (8/2
+    heads of 256, causal, three samples in 8K) in 2.29 against flash's 2.00, so causal rows keep
+    flash. And a plan is built per shape (segment slots, ``max_seqlen`` bound, the backward also
+    per token count) in 0.4-3 s, which eager micro-batches of ever new patch counts would pay
+    again and again. ``max_seqlen`` is only an upper bound (the kernel masks by each segment's
+    own length) and is rounded up to few bounds (``seqlen_bound``).
+  - ``varlen`` for other packed rows; elsewhere ``sdpa``.
 Asking for a backend that cannot run raises; ``auto`` falling back logs once, loudly.
 """
 
@@ -32,7 +45,7 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "sdpa", "varlen")
+BACKENDS = ("auto", "sdpa", "varlen", "cudnn")
 _warned: set[str] = set()
 
 
@@ -72,17 +85,26 @@ def attention(
     max_seqlen: int | None = None,
     backend: str = "auto",
     one_segment: bool = False,
+    static_shape: bool = False,
 ) -> torch.Tensor:
     """``one_segment``: the packed row is a single sample (the caller knows it on the host; under
-    CUDA graphs ``max_seqlen`` is only an upper bound and cannot tell)."""
+    CUDA graphs ``max_seqlen`` is only an upper bound and cannot tell). ``static_shape``: the
+    caller runs this shape again and again (a CUDA graph bucket), so per-shape plans pay off."""
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r} unknown; choose one of {BACKENDS}")
     packed = cu_seqlens is not None
+    if backend == "cudnn":
+        return _cudnn_forced(q, k, v, causal, scale, cu_seqlens, max_seqlen)
     if backend == "auto" and (one_segment or not packed) and cudnn_dense_unavailable(q) is None:
         batched = (t[None] for t in (q, k, v)) if packed else (q, k, v)  # a packed row: one batch row
         out = _cudnn_dense(*batched, causal, scale)
         if out is not None:
             return out[0] if packed else out
+    if (backend == "auto" and packed and static_shape and not causal and max_seqlen is not None
+            and cudnn_packed_unavailable(q) is None):
+        out = _cudnn_packed(q, k, v, cu_seqlens, max_seqlen, causal, scale)
+        if out is not None:
+            return out
     if backend in ("auto", "varlen") and packed:
         reason = varlen_available(q)
         if reason is None and max_seqlen is not None:
@@ -97,6 +119,81 @@ def attention(
 
 
 _cudnn_refused: list[str] = []  # set once cuDNN refused an input: auto stops trying it
+_cudnn_packed_refused: list[str] = []  # set once cuDNN's THD op refused an input: auto uses flash from then on
+
+
+def _cudnn_forced(q, k, v, causal, scale, cu_seqlens, max_seqlen):
+    """``backend="cudnn"``: cuDNN or a one-line error saying why it cannot run."""
+    packed = cu_seqlens is not None
+    reason = cudnn_packed_unavailable(q) if packed else cudnn_dense_unavailable(q)
+    if reason is None and packed and max_seqlen is None:
+        reason = "max_seqlen missing"
+    if reason is not None:
+        raise RuntimeError(f"attention backend 'cudnn' cannot run: {reason}; use attention_backend=auto")
+    if packed:
+        out = _cudnn_packed(q, k, v, cu_seqlens, max_seqlen, causal, scale)
+    else:
+        out = _cudnn_dense(q, k, v, causal, scale)
+    if out is None:
+        raise RuntimeError(f"attention backend 'cudnn' refused the input: "
+                           f"{(_cudnn_packed_refused if packed else _cudnn_refused)[0]}")
+    return out
+
+
+@functools.cache
+def _cudnn_frontend() -> tuple[object | None, str | None]:
+    """(cudnn-frontend's THD attention op, None), or (None, why it does not load)."""
+    try:
+        # registers torch.ops.cudnn.sdpa_fwd / sdpa_bwd and the forward's autograd
+        import cudnn.sdpa.fwd.torch_op  # noqa: F401
+    except ImportError:
+        return None, "nvidia-cudnn-frontend is not installed (pip install -e \".[gpu]\")"
+    except Exception as e:  # noqa: BLE001 - a broken install (libcudnn mismatch) must not stop training
+        return None, f"nvidia-cudnn-frontend does not load ({type(e).__name__}: {str(e).splitlines()[0][:160]})"
+    return torch.ops.cudnn.sdpa_fwd, None
+
+
+def cudnn_packed_unavailable(q: torch.Tensor) -> str | None:
+    """None if cuDNN's packed (THD) attention can run on q, else why not."""
+    reason = cudnn_dense_unavailable(q)
+    if reason is None and _cudnn_packed_refused:
+        reason = _cudnn_packed_refused[0]
+    return reason or _cudnn_frontend()[1]
+
+
+def seqlen_bound(n: int) -> int:
+    """``max_seqlen`` rounded up for cuDNN's THD plans: to a multiple of 128 up to 1024, above to
+    one of eight evenly spaced sizes per doubling (the vision graphs' row buckets are among them),
+    so eager micro-batches of every image size share a handful of plans. Query tiles past a
+    segment's own length exit early."""
+    if n <= 1024:
+        return max(128, -(-n // 128) * 128)
+    step = 2 ** (n.bit_length() - 1) // 8
+    return -(-n // step) * step
+
+
+def _cudnn_packed(q, k, v, cu_seqlens, max_seqlen, causal, scale):
+    """Packed [T, H, D] rows through cudnn-frontend's THD op, or None (after one warning) if it
+    refuses. The forward returns its softmax statistics only when a backward will need them."""
+    op = _cudnn_frontend()[0]
+    bound = seqlen_bound(int(max_seqlen))
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    cu = cu_seqlens if cu_seqlens.dtype == torch.int32 else cu_seqlens.to(torch.int32)
+    # Token-major views (the vision blocks' q, k, v are slices of one [T, 3, H, D] tensor) go in
+    # as copies: with them, the backward faulted on the H200 (an illegal address once a segment
+    # began past the first third of the row, as if its dq accumulator were indexed by q's
+    # strided offsets), while contiguous tensors match fp32 math (tests/gpu/test_cudnn_varlen_gpu.py).
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    try:
+        out, _ = op(q, k, v, scale, is_causal=causal, cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                    max_seqlen_q=bound, max_seqlen_kv=bound, return_lse=grad)
+    except (RuntimeError, ValueError, NotImplementedError) as e:
+        _cudnn_packed_refused.append(f"cuDNN's THD attention refused an input ({str(e).splitlines()[0][:200]})")
+        _warn_once(f"attention: cuDNN packed attention is off for this run, using flash varlen: "
+                   f"{_cudnn_packed_refused[0]}")
+        return None
+    return out
 
 
 def cudnn_dense_unavailable(q: torch.Tensor) -> str | None:

@@ -45,7 +45,7 @@ class VisionBlock(nn.Module):
             k = apply_rotary(k.float(), angles).to(v.dtype)
         a = attention(
             q, k, v, causal=False, cu_seqlens=geo.cu_seqlens, max_seqlen=geo.max_seqlen,
-            backend=self.attn_backend, one_segment=geo.one_segment,
+            backend=self.attn_backend, one_segment=geo.one_segment, static_shape=geo.static_shape,
         )
         x = x + self.proj(a.reshape(n, -1))
         return x + self.fc2(F.gelu(self.fc1(self.norm2(x)), approximate="tanh"))

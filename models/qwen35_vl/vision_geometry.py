@@ -24,6 +24,7 @@ class VisionGeometry:
     interp_index: torch.Tensor  # [N_patches, 4] rows of the learned position table
     interp_weight: torch.Tensor  # [N_patches, 4]
     one_segment: bool = False  # one frame of one image: attention needs no offsets (cuDNN, dense)
+    static_shape: bool = False  # a CUDA graph bucket's layout, replayed again and again
 
 
 def vision_geometry(grid_thw: torch.Tensor, merge: int, grid_side: int, device) -> VisionGeometry:

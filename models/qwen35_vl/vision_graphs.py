@@ -19,8 +19,10 @@ How:
 - Per-image segment offsets (``cu_seqlens``, padded with empty segments up to the bucket's slots)
   and the rotary positions are copied into each bucket's static buffers on the device. A bucket
   is a row count and a number of segment slots (``segment_slots``): 16, or ``max_images`` for
-  micro-batches with more images. Flash attention's varlen grid launches a block row for every
-  slot, empty or not, of every head and query tile (the cost is in ``segment_slots``).
+  micro-batches with more images. The packed attention kernels launch blocks for every slot,
+  empty or not, of every head and query tile (the cost is in ``segment_slots``). The buckets'
+  geometry says ``static_shape``, so ``attention_backend=auto`` runs their attention through
+  cuDNN's THD kernels, whose per-shape plans are built once per bucket (models/common/attention.py).
 - All buckets share one memory pool and one set of parameter-gradient buffers: a micro-batch's
   vision forward and backward end before the next micro-batch's begin, so the buckets'
   intermediate memory is never live at the same time. Another bucket costs its inputs, outputs
@@ -90,7 +92,7 @@ class _Bucket:
         # the image segments, then the padding rows' segment, then the leading zero
         self.cu = torch.full((slots + 2,), rows, dtype=torch.int32, device=device)
         self.geo = VisionGeometry(cu_seqlens=self.cu, max_seqlen=rows, rot_pos=None, interp_index=None,
-                                  interp_weight=None)
+                                  interp_weight=None, static_shape=True)
         # fused rotary: (positions [3, N], inv_freq, section); reference rotary: angles [N, 1, D]
         if isinstance(angles, tuple):
             pos, inv, section = angles
@@ -204,7 +206,8 @@ class VisionGraphs:
             x = torch.randn(rows, like.shape[1], generator=gen, device=like.device, dtype=like.dtype)
             x.requires_grad_(like.requires_grad)  # the graphs differentiate their input as the real one needs
             cu = torch.tensor([0, rows], dtype=torch.int32, device=like.device)
-            geo = VisionGeometry(cu_seqlens=cu, max_seqlen=rows, rot_pos=None, interp_index=None, interp_weight=None)
+            geo = VisionGeometry(cu_seqlens=cu, max_seqlen=rows, rot_pos=None, interp_index=None, interp_weight=None,
+                                 static_shape=True)
             if isinstance(angles, tuple):
                 fake = (torch.zeros((angles[0].shape[0], rows), dtype=angles[0].dtype, device=like.device),
                         angles[1], angles[2])
