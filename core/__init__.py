@@ -1,2 +1,2 @@
 """The shared core: small modules that import nothing of the project, so every layer above
-(kernels, models, data, the trainer) may use them. See tests/test_layering.py for the rule."""
+(fused_kernels, models, data, the trainer) may use them. See tests/test_layering.py for the rule."""

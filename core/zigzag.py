@@ -2,8 +2,8 @@
 chunks and CP rank r keeps chunks r and 2*cp-1-r (multimodal/context_parallel.py explains why).
 
 Shared by the trainer's batch split (``multimodal.context_parallel.partition_batch``) and the
-fused MRoPE kernel's reference (``kernels.fused_mrope.zigzag_global_index``), which must agree
-on the layout; kernels import nothing above core, so the layout lives here.
+fused MRoPE kernel's reference (``fused_kernels.fused_mrope.zigzag_global_index``), which must agree
+on the layout; fused_kernels/ imports nothing above core, so the layout lives here.
 """
 
 from __future__ import annotations

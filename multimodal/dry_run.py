@@ -256,7 +256,7 @@ def stage_memory(cfg: Config, lay: Layout, sp_: StageParams, overhead_gib: float
     act *= in_flight
     if sp_.stage == lay.pp - 1:
         if getattr(m, "fused_linear_ce", False):
-            # kernels/fused_linear_ce.py keeps fp32 lse per token; logits exist one ~2**27 chunk at a
+            # fused_kernels/fused_linear_ce.py keeps fp32 lse per token; logits exist one ~2**27 chunk at a
             # time (bf16 + fp32 + fp32 gradient)
             act += tokens * FP32 + 2**27 * (BF16 + 2 * FP32)
         else:

@@ -1,5 +1,5 @@
 """AdamW step of the 2B model's parameters on one GPU: torch's fused AdamW (with the grad_scale the
-trainer passes) plus megatron's fp32 -> bf16 parameter copy, against kernels/flat_adamw.py (one
+trainer passes) plus megatron's fp32 -> bf16 parameter copy, against fused_kernels/flat_adamw.py (one
 kernel over flat buffers that also writes the bf16 parameters), and the flat kernel's agreement
 with torch.
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch  # noqa: E402
 
-from kernels.flat_adamw import chunk_table, flat_adamw  # noqa: E402
+from fused_kernels.flat_adamw import chunk_table, flat_adamw  # noqa: E402
 
 
 def shapes_2b() -> list[tuple[int, ...]]:

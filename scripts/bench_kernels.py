@@ -12,7 +12,7 @@ Unfused baselines are what the model runs without the switches: mRoPE = apply_ro
 k with the angles already made (the model makes them once per step, so they are not charged
 to the layer); pre-GDR = Qwen35GatedDeltaNet.prepare's PyTorch chain (packed: the varlen conv);
 SwiGLU = megatron-core's torch.compile'd fused function, which the model ran before
-kernels/fused_swiglu.py (the 2B/9B MLPs, and one 397B shared expert's rows).
+fused_kernels/fused_swiglu.py (the 2B/9B MLPs, and one 397B shared expert's rows).
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 
 
-from kernels import fused_mrope as fm  # noqa: E402
-from kernels import fused_pre_gdr as fp  # noqa: E402
-from kernels import fused_swiglu as fs  # noqa: E402
-from kernels.rotary import apply_rotary, axis_of_frequency, inverse_frequencies, mrope_angles  # noqa: E402
+from fused_kernels import fused_mrope as fm  # noqa: E402
+from fused_kernels import fused_pre_gdr as fp  # noqa: E402
+from fused_kernels import fused_swiglu as fs  # noqa: E402
+from fused_kernels.rotary import apply_rotary, axis_of_frequency, inverse_frequencies, mrope_angles  # noqa: E402
 
 # per TP rank 1: (attention q heads, kv heads), (GDN key heads, value heads); head dims 256 / 128
 MODELS = {"2B": ((8, 2), (16, 16)), "9B": ((16, 4), (16, 32)), "397B-A17B": ((32, 2), (16, 64))}

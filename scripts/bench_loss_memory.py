@@ -5,7 +5,7 @@
 
 The loss path is hidden states [N, H] -> per-token loss -> masked sum -> backward into the
 hidden states and the output weight [V, H], in bf16 (fp32 on CPU), as the model runs it:
-  - fused:   kernels.fused_linear_ce (chunked logits; model.fused_linear_ce=true)
+  - fused:   fused_kernels.fused_linear_ce (chunked logits; model.fused_linear_ce=true)
   - unfused: logits = h @ W^T in bf16, then megatron's tensor_parallel.vocab_parallel_cross_entropy
              (model.fused_linear_ce=false: megatron's output layer + its loss)
   - plain:   logits = h @ W^T, F.cross_entropy(logits.float()) (the PyTorch reference)
@@ -31,13 +31,13 @@ import torch.nn.functional as F  # noqa: E402
 def _paths():
     from megatron.core import tensor_parallel
 
-    from kernels.fused_linear_ce import fused_linear_cross_entropy
+    from fused_kernels.fused_linear_ce import fused_linear_cross_entropy
 
     def fused(h, w, y):
         return fused_linear_cross_entropy(h, w, y)
 
-    def fused_torch_elementwise(h, w, y):  # the same chunked loss without kernels/ce_triton.py
-        from kernels import fused_linear_ce as flce
+    def fused_torch_elementwise(h, w, y):  # the same chunked loss without fused_kernels/ce_triton.py
+        from fused_kernels import fused_linear_ce as flce
 
         saved, flce._use_triton = flce._use_triton, (lambda x: False)
         try:

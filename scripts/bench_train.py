@@ -144,7 +144,7 @@ def _ours_child(cfg, warmup: int, steps: int, queue) -> None:
     import traceback
 
     try:
-        from kernels.gated_delta_rule import gdn_backend
+        from fused_kernels.gated_delta_rule import gdn_backend
         from multimodal.platform import init_distributed
 
         init_distributed()
@@ -317,9 +317,9 @@ def force_hf_torch_gdn(hf, model=None) -> None:
 
 def run_hf(cfg, batches: list[list[dict]], warmup: int, steps: int, dtype, device, feed: str, gdn: str) -> dict:
     """transformers with its fastest GDN kernels: fla, and through fla FlashQLA when installed (our
-    fla backend turns fla's FlashQLA dispatch off, kernels.gated_delta_rule; transformers runs
+    fla backend turns fla's FlashQLA dispatch off, fused_kernels.gated_delta_rule; transformers runs
     eagerly, where that dispatch is sound, so it gets it back for its run)."""
-    from kernels.gated_delta_rule import FLA_FLASH_QLA_ENV
+    from fused_kernels.gated_delta_rule import FLA_FLASH_QLA_ENV
 
     before = os.environ.get(FLA_FLASH_QLA_ENV)
     os.environ.pop(FLA_FLASH_QLA_ENV, None)  # fla's default: on when flash_qla imports
@@ -517,7 +517,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     fresh = args.ours_process == "fresh" or (args.ours_process == "auto" and rt.is_cuda and not args.skip_hf)
     ours = run_ours_in_fresh_process(cfg, args.warmup, args.steps) if fresh else run_ours(cfg, args.warmup, args.steps)
-    from kernels.gated_delta_rule import gdn_backend
+    from fused_kernels.gated_delta_rule import gdn_backend
 
     ab = ab_runs(args, out_dir, forced, rt) if args.ab else None
     gc.collect()

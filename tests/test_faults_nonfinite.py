@@ -112,7 +112,7 @@ def test_guard_skips_a_fused_adamw_step_on_the_device(mcore):
 
 _SKIP_CHECK = r"""
 import json, torch
-from kernels.flat_adamw import chunk_table, flat_adamw
+from fused_kernels.flat_adamw import chunk_table, flat_adamw
 torch.manual_seed(0)
 n = 3000
 starts, state_starts, lengths = chunk_table([(0, 1000), (1024, 1900)], "cpu")

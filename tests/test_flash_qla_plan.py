@@ -1,12 +1,12 @@
-"""The host-side planning around FlashQLA (kernels/flash_qla_gdr.py): the chunk tables and the
+"""The host-side planning around FlashQLA (fused_kernels/flash_qla_gdr.py): the chunk tables and the
 intra-card split it is handed. The kernels themselves need an SM90 GPU:
 tests/gpu/test_gdn_kernels_gpu.py runs them against fla and an fp32 reference."""
 
 import pytest
 import torch
 
-from kernels import flash_qla_gdr as qla
-from kernels.gated_delta_rule import chunk_indices_host
+from fused_kernels import flash_qla_gdr as qla
+from fused_kernels.gated_delta_rule import chunk_indices_host
 
 
 def test_chunk_table_matches_the_fla_table_and_counts_partial_chunks():
@@ -37,7 +37,7 @@ def test_split_of_short_segments_is_one_piece_each():
 def test_backend_name_is_checked():
     import pytest
 
-    from kernels.gated_delta_rule import gdn_backend
+    from fused_kernels.gated_delta_rule import gdn_backend
 
     with pytest.raises(RuntimeError, match="gdn_backend=flash_qla cannot run"):
         gdn_backend("flash_qla")  # no CUDA here
@@ -108,7 +108,7 @@ def test_one_sample_graph_plan_is_the_split_of_the_whole_row(monkeypatch):
 def test_eager_rows_plan_lazily_from_their_host_boundaries_once(monkeypatch):
     """The trainer's GDNVarlen keeps the host cu_seqlens; the first FlashQLA call plans from them
     (no device read), later layers reuse that plan, and a plan given up front (the graphs') wins."""
-    from kernels.gated_delta_rule import GDNVarlen
+    from fused_kernels.gated_delta_rule import GDNVarlen
 
     calls = []
 

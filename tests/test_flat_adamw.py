@@ -1,4 +1,4 @@
-"""Flat AdamW (kernels/flat_adamw.py, multimodal/performance/flat_adamw_patch.py) against torch's AdamW: the Triton
+"""Flat AdamW (fused_kernels/flat_adamw.py, multimodal/performance/flat_adamw_patch.py) against torch's AdamW: the Triton
 kernel (interpreter) and its PyTorch reference on raw buffers, then the layout inside megatron's
 optimizer on the proxy model, a state-dict round trip, and the trainer end to end."""
 
@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from kernels.flat_adamw import CHUNK, chunk_table, flat_adamw
+from fused_kernels.flat_adamw import CHUNK, chunk_table, flat_adamw
 from helpers.proxy_fixtures import proxy_model, wrap_ddp
 
 HP = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8)
@@ -21,7 +21,7 @@ SEGMENTS = [(0, 100), (128, 5000), (5184, 2 * CHUNK + 7)]  # padding between, on
 
 _KERNEL_CHECK = r"""
 import json, torch
-from kernels.flat_adamw import chunk_table, flat_adamw
+from fused_kernels.flat_adamw import chunk_table, flat_adamw
 segs, hp = json.loads(SEGS), json.loads(HP)
 torch.manual_seed(0)
 n = segs[-1][0] + segs[-1][1] + 32

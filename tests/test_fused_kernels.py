@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import fused_mrope as fm
-from kernels import fused_pre_gdr as fp
-from kernels.rotary import inverse_frequencies
+from fused_kernels import fused_mrope as fm
+from fused_kernels import fused_pre_gdr as fp
+from fused_kernels.rotary import inverse_frequencies
 
 ROOT = Path(__file__).resolve().parents[1]
 from gpu import test_fused_kernels_gpu as harness  # tests/ is on sys.path (conftest)
@@ -234,7 +234,7 @@ def _model_check() -> dict:
 
     init_distributed()
     ps.initialize_model_parallel(1, 1)
-    from kernels import fused_swiglu as fs
+    from fused_kernels import fused_swiglu as fs
 
     calls = {"mrope": 0, "mrope_pair": 0, "rotary_qkv": 0, "pre_gdr": 0, "pre_gdr_proj": 0, "swiglu": 0}
     real_mrope, real_pre, real_swiglu = fm.fused_mrope, fp.fused_pre_gdr, fs.swiglu

@@ -16,7 +16,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from kernels.fused_linear_ce import fused_linear_cross_entropy, linear_cross_entropy_reference
+from fused_kernels.fused_linear_ce import fused_linear_cross_entropy, linear_cross_entropy_reference
 
 TOL = {torch.float32: dict(loss=1e-5, grad=1e-5), torch.bfloat16: dict(loss=2e-2, grad=2e-2)}
 
@@ -116,7 +116,7 @@ def _sparse_inputs(seed, s=12, b=2, h=16, v=50):
 def test_sparse_lm_head_equals_the_dense_loss_at_the_loss_tokens():
     """Losses at the loss tokens, zero elsewhere; hidden and weight gradients of the masked loss
     equal the dense run's. An empty index (a micro-batch without loss tokens) gives zeros."""
-    from kernels.fused_linear_ce import vocab_parallel_linear_cross_entropy as vplce
+    from fused_kernels.fused_linear_ce import vocab_parallel_linear_cross_entropy as vplce
     from multimodal.forward_step import loss_token_index
 
     hidden, weight, labels, mask = _sparse_inputs(3)
@@ -244,7 +244,7 @@ def _tp_main(out_dir: str) -> None:
     """Each rank holds half the vocabulary rows; compares with the full-vocabulary reference."""
     from megatron.core import parallel_state as ps
 
-    from kernels.fused_linear_ce import vocab_parallel_linear_cross_entropy
+    from fused_kernels.fused_linear_ce import vocab_parallel_linear_cross_entropy
     from multimodal.forward_step import loss_token_index
     from multimodal.platform import init_distributed
 
@@ -310,8 +310,8 @@ if __name__ == "__main__":
 _INTERPRETER_CHECK = r'''
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
-from kernels import fused_linear_ce as flce
-from kernels.triton_support import unavailable_reason
+from fused_kernels import fused_linear_ce as flce
+from fused_kernels.triton_support import unavailable_reason
 
 out = []
 for dtype in (torch.float32, torch.bfloat16):
@@ -338,7 +338,7 @@ print(json.dumps(out))
 
 @pytest.mark.slow
 def test_triton_ce_kernels_match_the_pytorch_path_under_interpreter(tmp_path):
-    """kernels/ce_triton.py (one-pass logsumexp/target and in-place softmax gradient) against the
+    """fused_kernels/ce_triton.py (one-pass logsumexp/target and in-place softmax gradient) against the
     PyTorch ops it replaces, through the whole fused loss: loss, dh and dW, several token and
     vocabulary chunks, ignored labels, fp32 and bf16."""
     import os

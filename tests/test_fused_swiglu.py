@@ -1,6 +1,6 @@
 """model.fused_swiglu: the MLP's SwiGLU through megatron-core's fused function (one compiled
 kernel per direction) against the plain chunk/silu/multiply path, on the proxy model; the
-dispatch to the Triton kernels (kernels/fused_swiglu.py) and their PyTorch reference.
+dispatch to the Triton kernels (fused_kernels/fused_swiglu.py) and their PyTorch reference.
 
 The Triton kernels themselves run against the reference under the interpreter in
 tests/test_fused_kernels.py (the shared parity harness), inside the proxy model too."""
@@ -48,7 +48,7 @@ def test_fused_swiglu_matches_the_plain_path(mcore, monkeypatch):
 
 
 def test_reference_backward_is_the_gradient_of_the_reference():
-    from kernels.fused_swiglu import swiglu_back_reference, swiglu_reference
+    from fused_kernels.fused_swiglu import swiglu_back_reference, swiglu_reference
 
     y = (torch.randn(5, 3, 2 * 24, dtype=torch.float64) * 3).requires_grad_()
     g = torch.randn(5, 3, 24, dtype=torch.float64)

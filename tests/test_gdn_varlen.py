@@ -9,7 +9,7 @@ import torch
 
 from data.collate import pack_thd
 from data.mock import MockDataset
-from kernels.gated_delta_rule import FLA_CHUNK_SIZE, chunk_indices_host
+from fused_kernels.gated_delta_rule import FLA_CHUNK_SIZE, chunk_indices_host
 from models import get_model_family
 from multimodal.config import load_config
 from multimodal.forward_step import packed_seq_params, to_device

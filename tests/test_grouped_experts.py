@@ -15,8 +15,8 @@ import torch
 
 from helpers.proxy_fixtures import forward, packed_rows, proxy_model
 
-from kernels import fused_swiglu as fs
-from kernels.grouped_gemm import grouped_mm, grouped_mm_reference
+from fused_kernels import fused_swiglu as fs
+from fused_kernels.grouped_gemm import grouped_mm, grouped_mm_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 MOE = "configs/qwen35_vl_proxy_moe.yaml"
@@ -78,7 +78,7 @@ def test_grouped_mm_falls_back_once_on_cpu(caplog):
 
 _INTERP_CHECK = """
 import json, torch
-from kernels import fused_swiglu as fs
+from fused_kernels import fused_swiglu as fs
 torch.manual_seed(0)
 out = []
 for n, f in [(37, 48), (5, 1100), (0, 16)]:
@@ -216,7 +216,7 @@ def test_expert_weight_gradients_go_into_main_grad(mcore):
 
 _ACCUMULATE_CHECK = """
 import json, torch
-from kernels import main_grad_accumulate as m
+from fused_kernels import main_grad_accumulate as m
 out = []
 for n in (1, 4095, 4097, 3 * 4096 + 5):
     torch.manual_seed(n)
@@ -236,7 +236,7 @@ def test_main_grad_accumulate_kernel_is_bit_exact_under_interpreter():
 
 
 def test_main_grad_accumulate_refuses_what_it_cannot_add():
-    from kernels import main_grad_accumulate as m
+    from fused_kernels import main_grad_accumulate as m
 
     main = torch.zeros(4, 3)
     assert "bfloat16 is not fp32" in m.available(main.bfloat16(), torch.zeros(4, 3, dtype=torch.bfloat16))

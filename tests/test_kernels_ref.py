@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.gated_delta_rule import (
+from fused_kernels.gated_delta_rule import (
     causal_conv1d_silu_ref,
     chunk_gated_delta_rule_ref,
     gdn_backend,

@@ -18,7 +18,7 @@ from multimodal.config import ConfigError, load_config, validate
 
 
 def test_static_batch_pads_segments_and_chunk_table():
-    from kernels.gated_delta_rule import GDNVarlen
+    from fused_kernels.gated_delta_rule import GDNVarlen
     from models.common.packed_seq import PackedRowParams
 
     cu = torch.tensor([0, 10, 300, 384], dtype=torch.int32)
@@ -77,7 +77,7 @@ def test_graphed_layers_equal_eager_layers(mcore, fused, to_main_grad):
 def _one_sample(batch):
     """The row as a single sample: its tail padding joins the sample (causal: the real tokens'
     outputs are unchanged), so ``max_seqlen`` is the row length."""
-    from kernels.gated_delta_rule import GDNVarlen
+    from fused_kernels.gated_delta_rule import GDNVarlen
 
     n = batch["tokens"].shape[-1]
     cu = torch.tensor([0, n], dtype=torch.int32)

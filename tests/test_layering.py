@@ -2,10 +2,10 @@
 
 Layers, lowest first; a module may import its own layer and the layers below, never above:
 
-    core  <  kernels  <  models  <  data  <  multimodal  <  pretrain_multimodal.py, scripts/
+    core  <  fused_kernels  <  models  <  data  <  multimodal  <  pretrain_multimodal.py, scripts/
 
 - ``core/``: fault types, host->device copies, seeding, the zigzag CP layout; imports nothing of ours.
-- ``kernels/``: Triton kernels beside their PyTorch references.
+- ``fused_kernels/``: Triton kernels beside their PyTorch references.
 - ``models/``: the layers and the architectures, with their config sections and HF adapters.
 - ``data/``: data sets and collation; reads the model's input geometry (patchify, MRoPE ids) from models.
 - ``multimodal/``: the trainer (recipe, training loop, checkpoints, tools that load a recipe).
@@ -32,7 +32,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ("core", "kernels", "models", "data", "multimodal")  # lowest first
+LAYERS = ("core", "fused_kernels", "models", "data", "multimodal")  # lowest first
 
 
 def _module_name(path: Path, root: Path) -> tuple[str, bool]:
@@ -168,7 +168,7 @@ def test_the_scan_sees_the_packages():
 
 def test_no_layer_imports_a_higher_one():
     bad = upward_imports()
-    assert not bad, "imports against the layering (core < kernels < models < data < multimodal):\n" + "\n".join(bad)
+    assert not bad, "imports against the layering (core < fused_kernels < models < data < multimodal):\n" + "\n".join(bad)
 
 
 def test_no_import_cycles():

@@ -48,7 +48,7 @@ def _leaves(*ts):
 
 
 def _run_case(dtype_name, B, S, nk, nv, K, V, lens, z_used):
-    from kernels import fused_pre_gdr as fp
+    from fused_kernels import fused_pre_gdr as fp
 
     dtype = DTYPES[dtype_name]
     proj0, w0, a_log0, dt0, cu = _inputs(dtype, B, S, nk, nv, K, V, lens)
@@ -115,7 +115,7 @@ def _check_all() -> dict:
             out[name] = None
         except AssertionError as e:
             out[name] = str(e) or repr(e)
-    from kernels import fused_pre_gdr as fp
+    from fused_kernels import fused_pre_gdr as fp
 
     try:  # a width that is not qkv | z | b | a for these head counts is refused
         fp.fused_pre_gdr_from_proj(torch.zeros(1, 4, 10), torch.zeros(8, 4), torch.zeros(1), torch.zeros(1), None,

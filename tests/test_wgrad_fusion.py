@@ -1,5 +1,5 @@
 """Weight-gradient accumulation fusion (models/performance/wgrad_fusion.py, its GEMMs in
-kernels/wgrad_accum.py): the GEMM adds into
+fused_kernels/wgrad_accum.py): the GEMM adds into
 main_grad exactly what the unfused backward adds, through megatron's real linear layers."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers.proxy_fixtures import accumulate, packed_rows, proxy_model, wrap_ddp
 
-from kernels import wgrad_accum
+from fused_kernels import wgrad_accum
 from models.performance import wgrad_fusion
 
 
@@ -97,7 +97,7 @@ def test_vocabulary_gradients_accumulate_over_micro_batches_and_steps(mcore):
 
 
 def test_fused_head_refuses_a_weight_without_main_grad():
-    from kernels.fused_linear_ce import fused_linear_cross_entropy
+    from fused_kernels.fused_linear_ce import fused_linear_cross_entropy
 
     h, w, y = torch.randn(4, 8), torch.randn(16, 8, requires_grad=True), torch.randint(0, 16, (4,))
     with pytest.raises(ValueError, match="main_grad"):

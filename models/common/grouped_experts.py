@@ -7,8 +7,8 @@ counts on the host. ``GroupedExperts`` is a drop-in for either inside megatron's
 - weights ``linear_fc1.weight`` [E_local, 2F/etp, H] (rows [gate | up] of each expert, as
   megatron's GLU fc1) and ``linear_fc2.weight`` [E_local, H, F/etp];
 - forward: ``fc1 = x @ W1[e]^T`` for each expert's rows, ``act = silu(gate) * up * prob`` (one
-  Triton kernel per direction, kernels/fused_swiglu.py), ``out = act @ W2[e]^T``; both GEMMs are
-  one grouped GEMM each (kernels/grouped_gemm.py) whose group offsets stay on the device;
+  Triton kernel per direction, fused_kernels/fused_swiglu.py), ``out = act @ W2[e]^T``; both GEMMs are
+  one grouped GEMM each (fused_kernels/grouped_gemm.py) whose group offsets stay on the device;
 - backward written out (``_ExpertMLP``): the same four grouped GEMMs autograd would run, so the
   ``moe_act`` recompute (keep fc1's output, regenerate ``act`` in backward) gives the same bits;
 - checkpoints: ``sharded_state_dict`` writes the keys and global shapes SequentialMLP writes
@@ -30,9 +30,9 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
 
-from kernels import fused_swiglu, main_grad_accumulate
-from kernels.grouped_gemm import grouped_mm
-from kernels.wgrad_accum import added_to_main_grad
+from fused_kernels import fused_swiglu, main_grad_accumulate
+from fused_kernels.grouped_gemm import grouped_mm
+from fused_kernels.wgrad_accum import added_to_main_grad
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class _ExpertMLP(torch.autograd.Function):
 
 def _into_main_grad(weight: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """Add an expert weight gradient into DDP's fp32 ``main_grad`` here, with one vectorised kernel
-    (kernels/main_grad_accumulate.py: torch's fp32 += bf16 add_ ran at ~40% of the bandwidth), and
+    (fused_kernels/main_grad_accumulate.py: torch's fp32 += bf16 add_ ran at ~40% of the bandwidth), and
     hand autograd the placeholder megatron's fused linear layers hand it (``added_to_main_grad``),
     so DDP's hook does not add it again. Without DDP (conversion, parity scripts) the gradient
     goes to ``.grad`` as usual."""

@@ -1,4 +1,4 @@
-"""megatron-core's GPTModel with the LM loss through kernels/fused_linear_ce.py: the decoder every
+"""megatron-core's GPTModel with the LM loss through fused_kernels/fused_linear_ce.py: the decoder every
 family builds on (its rotary embedding is the family's, in ``_preprocess``)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from megatron.core.models.gpt import GPTModel
 
 
 class FusedLossGPTModel(GPTModel):
-    # Loss through kernels.fused_linear_ce (no [tokens, vocab] logits); set by the family's build
+    # Loss through fused_kernels.fused_linear_ce (no [tokens, vocab] logits); set by the family's build
     # from model.fused_linear_ce. False keeps megatron's output layer + vocab_parallel_cross_entropy.
     fused_linear_ce: bool = False
     # How the fused LM head hands back its weight gradient: "autograd", or into main_grad
@@ -29,7 +29,7 @@ class FusedLossGPTModel(GPTModel):
                 or kwargs.get("output_processor") is not None or InferenceMode.is_active()
                 or self.config.use_mup):
             return super()._postprocess(hidden_states=hidden_states, **kwargs)
-        from kernels.fused_linear_ce import vocab_parallel_linear_cross_entropy  # noqa: PLC0415
+        from fused_kernels.fused_linear_ce import vocab_parallel_linear_cross_entropy  # noqa: PLC0415
 
         weight = self.lm_head_weight()
         # model.sparse_lm_head: forward_step put the loss tokens' indices on packed batches

@@ -61,10 +61,10 @@ class ModelConfig:
     compile_norms: bool | None = None
     # SwiGLU (silu(a) * b of the MLP's fc1 output) fused: one kernel per direction instead of
     # silu, multiply, chunk and cat kernels, and only fc1's output kept for backward. Runs
-    # kernels/fused_swiglu.py (Triton) where it applies, else megatron-core's compiled function
+    # fused_kernels/fused_swiglu.py (Triton) where it applies, else megatron-core's compiled function
     # with a warning. null = on CUDA only (both need Triton there).
     fused_swiglu: bool | None = None
-    # LM loss through kernels/fused_linear_ce.py: chunked logits, never [tokens, vocab] at once
+    # LM loss through fused_kernels/fused_linear_ce.py: chunked logits, never [tokens, vocab] at once
     # (saves ~12 bytes x tokens x vocab/TP; costs one extra LM-head GEMM in backward). On by
     # default on CPU and GPU alike so CPU tests exercise the path the GPU runs; false restores
     # megatron's output layer + vocab_parallel_cross_entropy (same losses and grads).

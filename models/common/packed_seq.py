@@ -20,7 +20,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 class PackedRowParams(PackedSeqParams):
     """megatron's PackedSeqParams plus per-micro-batch metadata built once on the host, so that no
     layer rebuilds it on the device (nor syncs to do so): the GDN layers' varlen table for fla
-    (``kernels.gated_delta_rule.GDNVarlen``, from the family's ``packed_row_extras``; None: the
+    (``fused_kernels.gated_delta_rule.GDNVarlen``, from the family's ``packed_row_extras``; None: the
     layers derive it themselves) and the loss tokens for the sparse LM head."""
 
     gdn_varlen: object | None = None

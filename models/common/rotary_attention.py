@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from megatron.core.transformer.attention import SelfAttention
 
-from kernels.rotary import apply_rotary
+from fused_kernels.rotary import apply_rotary
 
 
 class RotarySelfAttention(SelfAttention):

@@ -1,4 +1,4 @@
-"""Route megatron-core's fused SwiGLU (``bias_activation_fusion``) through kernels/fused_swiglu.py.
+"""Route megatron-core's fused SwiGLU (``bias_activation_fusion``) through fused_kernels/fused_swiglu.py.
 
 megatron's MLP (the dense MLP, the shared expert, and each expert of the sequential MoE
 experts) calls the module-level ``megatron.core.transformer.mlp.bias_swiglu_impl`` when
@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from kernels import fused_swiglu
+from fused_kernels import fused_swiglu
 
 log = logging.getLogger(__name__)
 

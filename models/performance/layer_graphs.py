@@ -8,7 +8,7 @@ How:
 - Static inputs. A graph replays fixed addresses and shapes, so every micro-batch's layer
   metadata is copied (on the device, no host sync) into buffers of one fixed shape:
   ``cu_seqlens`` padded with empty segments at the end up to ``max_samples`` segments, the GDN
-  chunk table (``kernels.gated_delta_rule.GDNVarlen``) padded to its largest possible length
+  chunk table (``fused_kernels.gated_delta_rule.GDNVarlen``) padded to its largest possible length
   with rows that point at an always-empty segment (every kernel masks them out), ``max_seqlen``
   fixed at the row length, and the MRoPE positions. Real rows and segments are unchanged, so the
   numbers are the eager ones.
@@ -42,7 +42,7 @@ from collections import Counter
 
 import torch
 
-from kernels.gated_delta_rule import FLA_CHUNK_SIZE, GDNVarlen
+from fused_kernels.gated_delta_rule import FLA_CHUNK_SIZE, GDNVarlen
 from models.performance.main_grad_add import add_into_main_grads
 from models.common.packed_seq import PackedRowParams, cp_info, segment_boundaries
 
@@ -68,7 +68,7 @@ class StaticBatch:
         self.rope = torch.zeros_like(rope)
         self.qla = None  # FlashQLA's fixed-shape plan, when that GDN backend runs
         if flash_qla_heads is not None:
-            from kernels.flash_qla_gdr import StaticPlan
+            from fused_kernels.flash_qla_gdr import StaticPlan
 
             self.qla = StaticPlan(self.cu64, self.chunks, seq, flash_qla_heads, one_segment)
         self.params = PackedRowParams(
@@ -382,7 +382,7 @@ def _warm_fused_wgrad(modules, hidden) -> None:
     """Run the fused weight-gradient GEMM once per weight shape on scratch buffers: the warm-up
     passes use the plain path (the fused one would write into main_grad), and a GEMM's first
     call (cuBLAS heuristics, workspace) must not happen inside a capture."""
-    from kernels.wgrad_accum import wgrad_gemm_accum_fp32
+    from fused_kernels.wgrad_accum import wgrad_gemm_accum_fp32
 
     done = set()
     for m in modules:
@@ -398,7 +398,7 @@ def _warm_fused_wgrad(modules, hidden) -> None:
 
 def flash_qla_heads(layers) -> int | None:
     """The value heads of the layers' GDN modules when they run FlashQLA, else None (the graphs
-    then give FlashQLA a fixed-shape plan, kernels/flash_qla_gdr.StaticPlan)."""
+    then give FlashQLA a fixed-shape plan, fused_kernels/flash_qla_gdr.StaticPlan)."""
     for layer in layers:
         for module in layer.modules():
             if getattr(module, "kernel_backend", None) == "flash_qla":

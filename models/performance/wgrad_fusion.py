@@ -15,7 +15,7 @@ only in that the weight gradient is not rounded to bf16 before it is added (more
 The vocabulary weights take the same road (``enable``): the word embedding's backward adds
 its rows into ``main_grad`` with one ``index_add_`` (the unfused backward builds a dense
 [vocab, hidden] bf16 gradient, 0.5G elements on the 2B, for the few thousand rows a batch
-touches), and the fused LM head (kernels/fused_linear_ce.py) adds its weight gradient there in
+touches), and the fused LM head (fused_kernels/fused_linear_ce.py) adds its weight gradient there in
 its GEMM. With tied weights both go into the one shared ``main_grad`` and autograd sees one
 placeholder: nothing dense is summed, copied or added.
 
@@ -33,7 +33,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from kernels.wgrad_accum import added_to_main_grad, wgrad_gemm_accum_fp16, wgrad_gemm_accum_fp32
+from fused_kernels.wgrad_accum import added_to_main_grad, wgrad_gemm_accum_fp16, wgrad_gemm_accum_fp32
 
 
 @functools.cache

@@ -13,8 +13,8 @@ parallel), the zero-centred q/k norms (from our spec) and the sigmoid output gat
 
 from __future__ import annotations
 
-from kernels import fused_mrope
-from kernels.rotary import apply_rotary, axis_of_frequency, mrope_angles
+from fused_kernels import fused_mrope
+from fused_kernels.rotary import apply_rotary, axis_of_frequency, mrope_angles
 from models.common.core_attention import CoreAttention
 from models.common.rotary_attention import RotarySelfAttention
 

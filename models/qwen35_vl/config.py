@@ -48,12 +48,12 @@ class ModelConfig(CommonModelConfig):
     moe_aux_loss_coeff: float = 1e-3
     moe_token_dispatcher: str = "alltoall"  # alltoall | allgather
     # auto = flash_qla where `flash_qla` imports (SM90/SM100), else fla, else torch
-    gdn_backend: str = "auto"  # auto | flash_qla (kernels/flash_qla_gdr.py) | fla | torch
+    gdn_backend: str = "auto"  # auto | flash_qla (fused_kernels/flash_qla_gdr.py) | fla | torch
     # fla backend: keep the delta rule's per-chunk states (w, h, v_new; ~134 MB per GDN layer at 8K
     # tokens and 16 heads of 128, bf16) from the forward for the backward instead of fla's
-    # recomputing them there (kernels/fla_saved_states.py). false = fla's own autograd function.
+    # recomputing them there (fused_kernels/fla_saved_states.py). false = fla's own autograd function.
     gdn_save_states: bool = True
-    # Fused Triton kernels beside PyTorch references (kernels/fused_mrope.py, fused_pre_gdr.py).
+    # Fused Triton kernels beside PyTorch references (fused_kernels/fused_mrope.py, fused_pre_gdr.py).
     # null / auto: the kernels on GPU, the PyTorch path on CPU (model.py FUSED_KERNELS_BY_DEFAULT).
     # Asked for but unable to run (CPU without TRITON_INTERPRET, unsupported dtype): one warning,
     # then the PyTorch path.

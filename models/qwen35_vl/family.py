@@ -42,7 +42,7 @@ def _hf_adapter():
 
 def _packed_row_extras(cu_seqlens, device) -> dict:
     """The GDN layers' varlen chunk table, built once per packed micro-batch on the host."""
-    from kernels.gated_delta_rule import GDNVarlen
+    from fused_kernels.gated_delta_rule import GDNVarlen
 
     return {"gdn_varlen": GDNVarlen.from_host(cu_seqlens, device)}
 

@@ -4,7 +4,7 @@ We keep megatron-core's ``GatedDeltaNet`` for construction, initialisation and s
 checkpointing (fused ``in_proj`` = [q, k, v, z, beta, alpha] per TP rank, ``conv1d``,
 ``A_log``, ``dt_bias``, ``out_norm``, ``out_proj``) and replace its forward because
 megatron's forward needs flash-linear-attention's Triton kernels for packed batches,
-which do not exist on CPU. Ours dispatches every op through ``kernels.gated_delta_rule``
+which do not exist on CPU. Ours dispatches every op through ``fused_kernels.gated_delta_rule``
 (fla on GPU, PyTorch references elsewhere), so the same layer trains on CPU and GPU.
 
 Numerics follow transformers' ``Qwen3_5GatedDeltaNet``: SiLU(conv1d) over q|k|v,
@@ -18,15 +18,15 @@ import torch
 import torch.nn.functional as F
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet
 
-from kernels import fused_pre_gdr
-from kernels import gated_delta_rule as gdr
+from fused_kernels import fused_pre_gdr
+from fused_kernels import gated_delta_rule as gdr
 from models.common.packed_seq import cp_info, segment_boundaries
 from models.common.cp_collectives import heads_to_tokens, tokens_to_heads
 
 
 class Qwen35GatedDeltaNet(GatedDeltaNet):
     gdn_backend_request: str = "auto"
-    # model.gdn_pre_impl as build() resolved it: "fused" (kernels/fused_pre_gdr.py) or "unfused"
+    # model.gdn_pre_impl as build() resolved it: "fused" (fused_kernels/fused_pre_gdr.py) or "unfused"
     gdn_pre_impl: str = "unfused"
     save_states: bool = True  # model.gdn_save_states (fla only)
 

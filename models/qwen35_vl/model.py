@@ -9,7 +9,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
 from core.errors import ConfigError
-from kernels.rotary import axis_of_frequency, inverse_frequencies, mrope_angles
+from fused_kernels.rotary import axis_of_frequency, inverse_frequencies, mrope_angles
 from models.base import MultimodalModel
 from models.common import norms, swiglu
 from models.common.language_model import FusedLossGPTModel

@@ -1,7 +1,7 @@
 """Qwen3.5's MRoPE position ids (host side, in the data pipeline).
 
-The rotation itself (angles per frequency axis, rotate-half) is in kernels/rotary.py, beside its
-fused kernel (kernels/fused_mrope.py).
+The rotation itself (angles per frequency axis, rotate-half) is in fused_kernels/rotary.py, beside its
+fused kernel (fused_kernels/fused_mrope.py).
 
 Position ids (``mrope_position_ids``) follow transformers' ``get_rope_index`` for
 Qwen3.5: text advances by one per token; an image of merged grid (t, h, w) placed at

@@ -15,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import fused_mrope
+from fused_kernels import fused_mrope
 from models.common.attention import attention
-from kernels.rotary import apply_rotary
+from fused_kernels.rotary import apply_rotary
 from models.qwen35_vl.vision_geometry import VisionGeometry, vision_geometry
 
 

@@ -17,7 +17,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from torch import nn
 
-from kernels.rotary import inverse_frequencies
+from fused_kernels.rotary import inverse_frequencies
 from models.base import MultimodalModel
 from models.common.core_attention import CoreAttention
 from models.common.language_model import FusedLossGPTModel

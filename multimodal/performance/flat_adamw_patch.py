@@ -1,6 +1,6 @@
 """AdamW over flat buffers for megatron-core's optimizers: one kernel per parameter group that
 updates the fp32 main parameters and both moments and writes the bf16 model parameters
-(kernels/flat_adamw.py), in place of torch's fused AdamW over per-parameter tensors followed by
+(fused_kernels/flat_adamw.py), in place of torch's fused AdamW over per-parameter tensors followed by
 megatron's per-parameter fp32 -> bf16 copy.
 
 Layout. megatron's DDP keeps every gradient in one flat buffer per dtype (``buffer.grad_data``;
@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.flat_adamw import chunk_table, flat_adamw
-from kernels.triton_support import unavailable_reason
+from fused_kernels.flat_adamw import chunk_table, flat_adamw
+from fused_kernels.triton_support import unavailable_reason
 
 log = logging.getLogger(__name__)
 

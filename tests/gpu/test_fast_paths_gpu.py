@@ -68,7 +68,7 @@ def compare(name, a, b, tol_loss, tol_grad):
 
 def check_ops(dtype, device) -> bool:
     """fla's conv1d and chunk delta rule vs the PyTorch references on random packed inputs."""
-    from kernels import gated_delta_rule as gdr
+    from fused_kernels import gated_delta_rule as gdr
 
     g = torch.Generator(device="cpu").manual_seed(0)
     lens = [100, 37, 300, 64]

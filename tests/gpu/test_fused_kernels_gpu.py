@@ -24,10 +24,10 @@ import torch
 # parity compiles many shapes; autotuning each would take minutes and changes no result
 os.environ.setdefault("FUSED_KERNELS_AUTOTUNE", "0")
 
-from kernels import fused_mrope as fm  # noqa: E402
-from kernels import fused_pre_gdr as fp  # noqa: E402
-from kernels import fused_swiglu as fs  # noqa: E402
-from kernels.rotary import inverse_frequencies  # noqa: E402
+from fused_kernels import fused_mrope as fm  # noqa: E402
+from fused_kernels import fused_pre_gdr as fp  # noqa: E402
+from fused_kernels import fused_swiglu as fs  # noqa: E402
+from fused_kernels.rotary import inverse_frequencies  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOL = {"fp32": 2e-5, "fp16": 2e-3, "bf16": 1.6e-2}

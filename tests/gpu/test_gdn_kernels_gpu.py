@@ -4,19 +4,19 @@
 
 Implementations (each where it imports):
 - ``fla``: flash-linear-attention's ``chunk_gated_delta_rule`` (what ``model.gdn_save_states=false`` runs);
-- ``fla_saved``: kernels/fla_saved_states.py, fla's kernels with the chunk states kept from the
+- ``fla_saved``: fused_kernels/fla_saved_states.py, fla's kernels with the chunk states kept from the
   forward (``model.gdn_save_states=true``); must equal ``fla`` bit for bit, since it runs the same
   kernels on the same values, minus the backward's recomputation;
 - ``flash_qla`` / ``flash_qla_nocp``: the FlashQLA package (TileLang) called directly, with and
   without its automatic intra-card split of long sequences;
-- ``qla_host_plan``: kernels/flash_qla_gdr.py as the trainer runs it eagerly (``model.gdn_backend=
+- ``qla_host_plan``: fused_kernels/flash_qla_gdr.py as the trainer runs it eagerly (``model.gdn_backend=
   flash_qla``): the split planned on the host;
 - ``qla_graph_plan`` / ``qla_graph_plan_one_segment``: as the CUDA graphs run it: the padded static
   buffers of layer_graphs.StaticBatch (empty segments, padding rows in the chunk table), unsplit for
   rows of several samples, split for one-sample rows.
 
 Inputs: bf16, the 2B recipe's 16 heads of 128, packed 8K rows of one and of several samples; the
-reference is kernels.gated_delta_rule.chunk_gated_delta_rule_ref on fp32 copies. For each: the
+reference is fused_kernels.gated_delta_rule.chunk_gated_delta_rule_ref on fp32 copies. For each: the
 relative error (max |x - ref| / max |ref|) of the output and of every input gradient, the time of a
 forward and of a forward+backward (CUDA events, median), and the memory the forward keeps for the
 backward.
@@ -33,7 +33,7 @@ import pytest
 import torch
 
 
-from kernels import gated_delta_rule as gdr  # noqa: E402
+from fused_kernels import gated_delta_rule as gdr  # noqa: E402
 
 ROWS = {"one_8192": [8192], "four_2048": [2048] * 4, "mixed": [3000, 1500, 2500, 1192]}
 NAMES = ["o", "dq", "dk", "dv", "dg", "dbeta"]
@@ -65,7 +65,7 @@ def implementations():
         # installed, fla would otherwise hand the call to FlashQLA by itself
         gdr._no_fla_flash_qla_dispatch()
 
-        from kernels.fla_saved_states import chunk_gated_delta_rule_saved_states
+        from fused_kernels.fla_saved_states import chunk_gated_delta_rule_saved_states
 
         impls["fla"] = lambda q, k, v, g, b, cu: fla_chunk(q, k, v, g=g, beta=b, cu_seqlens=cu)[0]
         impls["fla_saved"] = lambda q, k, v, g, b, cu: chunk_gated_delta_rule_saved_states(q, k, v, g, b, cu)
@@ -81,7 +81,7 @@ def implementations():
     except Exception as e:  # not installed, or no SM90 toolchain
         print(f"flash_qla: not run ({type(e).__name__}: {e})")
         return impls
-    from kernels import flash_qla_gdr as qla
+    from fused_kernels import flash_qla_gdr as qla
 
     plans = {}
 
@@ -109,7 +109,7 @@ MAX_SAMPLES = 8  # the graphs' padding: cu_seqlens up to this many samples, then
 
 def _static_plan(cu, seq, heads, one_segment):
     """layer_graphs.StaticBatch's buffers for this row, filled as its load() fills them."""
-    from kernels import flash_qla_gdr as qla
+    from fused_kernels import flash_qla_gdr as qla
 
     n_cu = MAX_SAMPLES + 2
     cu64 = torch.full((n_cu,), seq, dtype=torch.int64, device="cuda")

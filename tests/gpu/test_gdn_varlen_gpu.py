@@ -21,7 +21,7 @@ import pytest
 import torch
 
 
-from kernels.gated_delta_rule import GDNVarlen, chunk_gated_delta_rule, fla_unusable_reason  # noqa: E402
+from fused_kernels.gated_delta_rule import GDNVarlen, chunk_gated_delta_rule, fla_unusable_reason  # noqa: E402
 
 
 def inputs(lens, heads=16, dk=128, dv=128, seed=0):

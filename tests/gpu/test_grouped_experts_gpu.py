@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch  # noqa: E402
 
-from kernels import fused_swiglu as fs  # noqa: E402
-from kernels import main_grad_accumulate as mga  # noqa: E402
-from kernels.grouped_gemm import grouped_mm, grouped_mm_reference  # noqa: E402
+from fused_kernels import fused_swiglu as fs  # noqa: E402
+from fused_kernels import main_grad_accumulate as mga  # noqa: E402
+from fused_kernels.grouped_gemm import grouped_mm, grouped_mm_reference  # noqa: E402
 
 
 def _counts(n_rows: int, experts: int, gen) -> torch.Tensor:

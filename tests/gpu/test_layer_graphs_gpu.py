@@ -29,7 +29,7 @@ import torch
 
 
 def check_padded_gdn() -> dict:
-    from kernels.gated_delta_rule import FLA_CHUNK_SIZE, GDNVarlen, chunk_gated_delta_rule
+    from fused_kernels.gated_delta_rule import FLA_CHUNK_SIZE, GDNVarlen, chunk_gated_delta_rule
     from models.performance.layer_graphs import StaticBatch
     from models.common.packed_seq import PackedRowParams
 

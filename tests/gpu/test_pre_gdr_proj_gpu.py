@@ -17,7 +17,7 @@ import pytest
 import torch
 
 
-from kernels import fused_pre_gdr as fp  # noqa: E402
+from fused_kernels import fused_pre_gdr as fp  # noqa: E402
 
 
 def run(path: str, proj, w, a_log, dt, cu, dims, cot):

@@ -2,7 +2,7 @@
 a backward returns once it has done so.
 
 The trainer's weight-gradient fusion (models/performance/wgrad_fusion.py, ``model.grad_accum_fusion``)
-hands these to megatron's linear layers; the fused LM head (kernels/fused_linear_ce.py) and the
+hands these to megatron's linear layers; the fused LM head (fused_kernels/fused_linear_ce.py) and the
 CUDA graphs (models/performance/layer_graphs.py) call them directly, which is why they sit here,
 below the model.
 """

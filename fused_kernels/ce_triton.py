@@ -1,5 +1,5 @@
 """Triton kernels for the elementwise half of the fused linear cross-entropy
-(``kernels/fused_linear_ce.py``); the GEMMs stay in cuBLAS.
+(``fused_kernels/fused_linear_ce.py``); the GEMMs stay in cuBLAS.
 
 Per chunk of logits (the bf16 output of the LM-head GEMM), PyTorch needed an fp32 copy and
 five or six more passes over it: forward ``.float()``, ``logsumexp`` (max, subtract, exp,
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_support import interpreting
+from fused_kernels.triton_support import interpreting
 
 try:
     import triton

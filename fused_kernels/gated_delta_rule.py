@@ -2,7 +2,7 @@
 
 Implementations, chosen once per process by ``gdn_backend()``:
 - ``flash_qla`` (the delta rule only; ``auto`` picks it where ``flash_qla`` imports on SM90/SM100):
-  FlashQLA's fused TileLang kernels, planned by kernels/flash_qla_gdr.py; the conv runs fla's.
+  FlashQLA's fused TileLang kernels, planned by fused_kernels/flash_qla_gdr.py; the conv runs fla's.
 - ``fla``: flash-linear-attention's Triton kernels (CUDA only; varlen via cu_seqlens).
 - ``torch``: plain PyTorch references below, used on CPU and wherever fla cannot run.
   They handle packed (THD) batches: the conv never reads across a sample boundary
@@ -57,7 +57,7 @@ def gdn_backend(requested: str = "auto") -> str:
     reason = fla_unusable_reason()
     if requested == "torch":
         return "torch"
-    from kernels import flash_qla_gdr
+    from fused_kernels import flash_qla_gdr
 
     qla_reason = flash_qla_gdr.unusable_reason()
     if requested == "flash_qla" or (requested == "auto" and qla_reason is None):
@@ -91,7 +91,7 @@ def _no_fla_flash_qla_dispatch() -> None:
     reads cu_seqlens on the host to choose its split and caches the choice per tensor object, so
     with the CUDA graphs' static buffers it would keep the first micro-batch's split for every
     later one. The fla backend therefore runs fla's own kernels; model.gdn_backend=flash_qla runs
-    FlashQLA with the split planned per micro-batch (kernels/flash_qla_gdr.py)."""
+    FlashQLA with the split planned per micro-batch (fused_kernels/flash_qla_gdr.py)."""
     if importlib.util.find_spec("flash_qla") is not None and os.environ.get(FLA_FLASH_QLA_ENV) != "0":
         log.info("fla's own dispatch to FlashQLA turned off (%s=0); model.gdn_backend=flash_qla uses it",
                  FLA_FLASH_QLA_ENV)
@@ -184,7 +184,7 @@ class GDNVarlen:
                    to_device_async(chunk_indices_host(cu_seqlens), device), cu_host=cu_seqlens)
 
     def flash_qla_plan(self, heads: int):
-        """FlashQLA's plan for this row and ``heads`` value heads (kernels/flash_qla_gdr.py), None
+        """FlashQLA's plan for this row and ``heads`` value heads (fused_kernels/flash_qla_gdr.py), None
         without host boundaries. Built once per head count: every GDN layer of a rank usually
         shares one, so the first layer plans and the others reuse it."""
         if self.qla is not None:
@@ -195,7 +195,7 @@ class GDNVarlen:
         if self.cu_host is None:
             return None
         if heads not in self._built:
-            from kernels.flash_qla_gdr import plan_from_host
+            from fused_kernels.flash_qla_gdr import plan_from_host
 
             self._built[heads] = plan_from_host(self.cu_host, self.cu_seqlens, heads)
         return self._built[heads]
@@ -224,9 +224,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, backend: str, varlen: G
     """The delta rule over a batch; ``varlen`` (packed batches, optional) carries the chunk table
     built once per micro-batch, so fla skips its per-call index construction and host sync.
     ``save_states`` (fla only, ``model.gdn_save_states``): keep the chunk states from the forward
-    instead of recomputing them in the backward (kernels/fla_saved_states.py)."""
+    instead of recomputing them in the backward (fused_kernels/fla_saved_states.py)."""
     if backend == "flash_qla":
-        from kernels import flash_qla_gdr
+        from fused_kernels import flash_qla_gdr
 
         reason = flash_qla_gdr.shape_refusal(q, v)
         if reason is None:
@@ -245,7 +245,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, backend: str, varlen: G
 
         cu, chunk_indices = _fla_varlen(cu_seqlens, varlen)
         if save_states and torch.is_grad_enabled():
-            from kernels.fla_saved_states import chunk_gated_delta_rule_saved_states
+            from fused_kernels.fla_saved_states import chunk_gated_delta_rule_saved_states
 
             return chunk_gated_delta_rule_saved_states(q, k, v, g, beta, cu, chunk_indices)
         return fla_chunk(q, k, v, g=g, beta=beta, cu_seqlens=cu, chunk_indices=chunk_indices,

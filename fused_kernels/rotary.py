@@ -1,6 +1,6 @@
 """Rotary math in PyTorch: MRoPE angles from 3-D positions (interleaved or blocked sections) and
-rotate-half. The model's unfused path and kernels/fused_mrope.py's reference both run it (here,
-below the model, so that the kernel's reference imports nothing above kernels/).
+rotate-half. The model's unfused path and fused_kernels/fused_mrope.py's reference both run it (here,
+below the model, so that the kernel's reference imports nothing above fused_kernels/).
 
 Each rotary frequency index i (0 <= i < rot_dim/2) reads its position from one axis:
 index i = 3j+1 (j < section[1]) reads the height position, i = 3j+2 (j < section[2]) the

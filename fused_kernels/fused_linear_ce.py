@@ -52,13 +52,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from kernels import ce_triton
-from kernels.triton_support import unavailable_reason
-from kernels import wgrad_accum
+from fused_kernels import ce_triton
+from fused_kernels.triton_support import unavailable_reason
+from fused_kernels import wgrad_accum
 
 
 def _use_triton(x: torch.Tensor) -> bool:
-    """The one-pass Triton kernels (kernels/ce_triton.py) on GPU; PyTorch elsewhere. A GPU tensor
+    """The one-pass Triton kernels (fused_kernels/ce_triton.py) on GPU; PyTorch elsewhere. A GPU tensor
     they cannot take falls back with one warning per reason."""
     reason = unavailable_reason(x)
     if reason is not None and x.is_cuda:

@@ -37,7 +37,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from kernels.gated_delta_rule import causal_conv1d_silu_ref, l2norm
+from fused_kernels.gated_delta_rule import causal_conv1d_silu_ref, l2norm
 
 try:
     import triton
@@ -45,7 +45,7 @@ try:
 except ImportError:  # CPU-only installs without triton: the reference still works
     triton = None
 
-from kernels.triton_support import autotuning, cu_steps, interpreting, unavailable_reason  # noqa: E402
+from fused_kernels.triton_support import autotuning, cu_steps, interpreting, unavailable_reason  # noqa: E402
 
 EPS = 1e-6  # l2norm eps of the reference (inside the rsqrt)
 

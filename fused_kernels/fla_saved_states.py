@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-CHUNK = 64  # fla's default chunk size; kernels.gated_delta_rule.FLA_CHUNK_SIZE
+CHUNK = 64  # fla's default chunk size; fused_kernels.gated_delta_rule.FLA_CHUNK_SIZE
 
 
 class GatedDeltaRuleSavedStates(torch.autograd.Function):

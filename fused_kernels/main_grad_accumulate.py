@@ -23,7 +23,7 @@ try:
 except ImportError:  # CPU-only installs without triton: the reference still works
     triton = None
 
-from kernels.triton_support import unavailable_reason  # noqa: E402
+from fused_kernels.triton_support import unavailable_reason  # noqa: E402
 
 log = logging.getLogger(__name__)
 

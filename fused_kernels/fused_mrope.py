@@ -32,7 +32,7 @@ import logging
 import torch
 
 from core.zigzag import zigzag_indices
-from kernels.rotary import apply_rotary, axis_of_frequency, mrope_angles
+from fused_kernels.rotary import apply_rotary, axis_of_frequency, mrope_angles
 
 try:
     import triton
@@ -40,7 +40,7 @@ try:
 except ImportError:  # CPU-only installs without triton: the reference still works
     triton = None
 
-from kernels.triton_support import autotuning, cu_block, interpreting, unavailable_reason  # noqa: E402
+from fused_kernels.triton_support import autotuning, cu_block, interpreting, unavailable_reason  # noqa: E402
 
 LAYOUTS = ("bshd", "sbhd", "thd")
 
