@@ -6,7 +6,8 @@ produces ``(batch, loader_state_after_batch)`` pairs into a bounded queue, so
 ``state_dict()`` always describes what the *trainer consumed*, never what was prefetched:
 a checkpoint resumes exactly where training stopped. An exception in the thread is raised
 in the trainer on the next ``next()``. On CUDA, tensors are pinned so host-to-device copies
-can be asynchronous. ``wait_s`` counts the seconds the trainer waited for a batch the thread had
+can be asynchronous. ``prepare(batch)``, when given, runs on each batch in the thread first (the
+model family's host work, ``ModelFamily.prepare_host_batch``). ``wait_s`` counts the seconds the trainer waited for a batch the thread had
 not finished: the log's ``data_wait_s`` (a loader that does not keep ahead of the GPU shows there,
 not as slower kernels).
 """
@@ -21,10 +22,11 @@ import torch
 
 
 class Prefetcher:
-    def __init__(self, iterator, depth: int = 2, pin_memory: bool | None = None):
+    def __init__(self, iterator, depth: int = 2, pin_memory: bool | None = None, prepare=None):
         if depth < 1:
             raise ValueError(f"prefetch depth must be >= 1, got {depth}")
         self.iterator = iterator
+        self.prepare = prepare
         self.pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._state = iterator.state_dict()
         self.wait_s = 0.0  # host seconds the trainer spent waiting on an empty queue
@@ -37,6 +39,8 @@ class Prefetcher:
         while not self._stop.is_set():
             try:
                 batch = next(self.iterator)
+                if self.prepare is not None:
+                    self.prepare(batch)
                 if self.pin:
                     batch = {k: v.pin_memory() if torch.is_tensor(v) else v for k, v in batch.items()}
                 item = (batch, self.iterator.state_dict(), None)

@@ -77,6 +77,10 @@ class ModelFamily:
       field: value} built once per packed micro-batch from its host cu_seqlens (the padded ones
       when given) and handed to every layer (Qwen3.5: the GDN layers' chunk table,
       ``gdn_varlen``); the default builds nothing.
+    - ``prepare_host_batch(batch, m)``: host work on a loaded micro-batch that the prefetch thread
+      does while the GPU runs earlier steps, so the training thread finds it done (Qwen3.5: the
+      vision geometry of each image size, cached; on the training thread it left the GPU idle
+      23-35 ms of a varied-image step, docs/performance.md). None: nothing to do.
 
     - ``hf_adapter()`` -> the family's Hugging Face adapter (None: the family has none, and
       scripts/convert_hf.py, hf_parity.py and bench_train.py's transformers half refuse it). It is
@@ -107,5 +111,6 @@ class ModelFamily:
     recompute_modules: tuple[str, ...] = ("core_attn", "layernorm")
     recompute_mixers: Callable[[], Iterable[type]] = lambda: ()
     packed_row_extras: Callable[..., dict] = lambda cu_seqlens, device: {}
+    prepare_host_batch: Callable[..., None] | None = None
     hf_adapter: Callable[[], object] | None = None
     hf_model_types: tuple[str, ...] = ()

@@ -8,6 +8,7 @@ read back only every ``logging.interval`` steps, so the hot path has no host syn
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import signal
@@ -262,7 +263,9 @@ def _build_and_loop(cfg: Config, rt: Runtime, dtype: torch.dtype, mem: MemoryToo
             loader.load_state_dict(data_state)
 
     depth = cfg.data.prefetch if cfg.data.prefetch is not None else (2 if rt.is_cuda else 0)
-    batches = Prefetcher(loader, depth) if depth else loader
+    family = get_model_family(m.name)
+    prepare = functools.partial(family.prepare_host_batch, m=m) if family.prepare_host_batch else None
+    batches = Prefetcher(loader, depth, prepare=prepare) if depth else loader
     try:
         return _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microbatches, dtype, mem,
                      last_good)

@@ -311,6 +311,40 @@ def test_image_class_is_visible(ds):
 # ---------------------------------------------------------------- background prefetch
 
 
+def test_prefetcher_prepares_each_batch_in_its_thread_and_the_vision_geometry_is_then_cached(ds):
+    """The family's host work (Qwen3.5: the vision geometry of each image size) runs in the prefetch
+    thread, so the encoder's call on the training thread computes nothing new."""
+    import threading
+
+    from data.prefetch import Prefetcher
+    from models import get_model_family
+    from models.qwen35_vl import vision_geometry as vg
+
+    family = get_model_family(M.name)
+    threads, batches = [], []
+
+    def prepare(batch):
+        threads.append(threading.current_thread().name)
+        family.prepare_host_batch(batch, M)
+
+    vg._image_geometry.cache_clear()
+    fetched = Prefetcher(MicroBatchIterator(ds, S, M.pad_token_id, M.image_token_id, MERGE, True, 1, 0, 1),
+                         depth=2, pin_memory=False, prepare=prepare)
+    try:
+        batches = [next(fetched) for _ in range(3)]
+    finally:
+        fetched.close()
+    assert threads and set(threads) == {"batch-prefetch"}
+    grids = torch.cat([b["image_grid_thw"] for b in batches])
+    assert grids.numel() and (grids[:, 1:] > 0).all()
+    misses = vg._image_geometry.cache_info().misses
+    side = int(M.vision.num_position_embeddings**0.5)
+    for b in batches:
+        geo = vg.vision_geometry(b["image_grid_thw"], MERGE, side, "cpu")
+        assert geo.interp_index.shape[0] == int(b["image_grid_thw"].prod(1).sum())
+    assert vg._image_geometry.cache_info().misses == misses  # every image size was ready
+
+
 def test_prefetcher_yields_the_same_batches_and_reports_consumed_state(ds):
     from data.prefetch import Prefetcher
 

@@ -47,6 +47,15 @@ def _packed_row_extras(cu_seqlens, device) -> dict:
     return {"gdn_varlen": GDNVarlen.from_host(cu_seqlens, device)}
 
 
+def _prepare_host_batch(batch: dict, m) -> None:
+    """Fill the vision geometry cache with the batch's image sizes (prefetch thread)."""
+    grid = batch.get("image_grid_thw")
+    if grid is not None and grid.numel():
+        from models.qwen35_vl.vision_geometry import warm_geometry
+
+        warm_geometry(grid, m.vision.spatial_merge_size, int(m.vision.num_position_embeddings**0.5))
+
+
 def _vision_graph_buckets(max_patches: int, unit: int) -> list[int]:
     from models.qwen35_vl.vision_graphs import bucket_sizes
 
@@ -76,6 +85,7 @@ FAMILY = ModelFamily(
     recompute_modules=("core_attn", "layernorm", "shared_experts", "gdn_qkv", "gdn_norm_out", "moe_act"),
     recompute_mixers=_recompute_mixers,
     packed_row_extras=_packed_row_extras,
+    prepare_host_batch=_prepare_host_batch,
     hf_adapter=_hf_adapter,
     # top level of a vision-language config.json; the _text types: a text-only config, which
     # model_config_from_hf reads as well

@@ -44,6 +44,15 @@ def vision_geometry(grid_thw: torch.Tensor, merge: int, grid_side: int, device) 
     )
 
 
+def warm_geometry(grid_thw: torch.Tensor, merge: int, grid_side: int) -> None:
+    """Compute (and cache) the geometry of each image of ``grid_thw`` ahead of the forward: the
+    data pipeline's prefetch thread calls this (``ModelFamily.prepare_host_batch``), so the training
+    thread only concatenates cached tensors. The cached tensors are never modified, so a thread
+    computing an entry the other also computes is harmless."""
+    for t, h, w in grid_thw.detach().to("cpu", torch.long).tolist():
+        _image_geometry(t, h, w, merge, grid_side)
+
+
 def _cat(tensors: list[torch.Tensor], empty_shape, dtype) -> torch.Tensor:
     return torch.cat(tensors) if tensors else torch.zeros(empty_shape, dtype=dtype)
 
