@@ -3,7 +3,7 @@
 An architecture is a folder ``models/<name>/`` plus one entry in ``MODEL_REGISTRY``. Its family
 (``models/<name>/family.py``) provides everything the trainer needs of it:
 - ``config_class`` / ``validate``: the dataclass the recipe's ``model`` section is read into and
-  the family's rules for it (one-line ``ConfigError``s); ``config_from_hf``: its HF config reader;
+  the family's rules for it (one-line ``ConfigError``s); ``hf_adapter``: its HF config and weights;
 - ``build``: ``(model_cfg, parallel_cfg, params_dtype, pre_process, post_process, deterministic)``
   -> a ``models.base.MultimodalModel`` (this pipeline stage's part);
 - ``position_ids``: one sample's position ids, made by the data pipeline;

@@ -49,8 +49,6 @@ class ModelFamily:
     - ``video_position_grids(video_grid_thw)`` -> the grids whose runs of video tokens
       ``position_ids`` places, one video's (t, h, w) at a time (Qwen3-VL: t grids of (1, h, w), one
       per temporal group, each run between timestamp text); the default keeps the grid whole.
-    - ``config_from_hf(path, base)`` -> ``config_class`` read from a Hugging Face config.json, the
-      non-architecture fields taken from ``base`` (``model.hf_config``); None: no reader.
     - ``vision_graph_buckets(max_patches, unit)`` -> the sizes of the vision encoder's CUDA graph
       buckets for that many patches (``train.cuda_graph_vision_warmup_patches``); None when the
       encoder has no graphs.
@@ -85,7 +83,9 @@ class ModelFamily:
     - ``hf_adapter()`` -> the family's Hugging Face adapter (None: the family has none, and
       scripts/convert_hf.py, hf_parity.py and bench_train.py's transformers half refuse it). It is
       loaded when called (it imports torch) and has:
-      ``model_config_from_hf(path, base=None)``, ``hf_config_from_ours(m)`` (config.json content),
+      ``model_config_from_hf(path, base=None)`` (``config_class`` from a config.json, the
+      non-architecture fields taken from ``base``; also what ``model.hf_config`` reads),
+      ``hf_config_from_ours(m)`` (config.json content),
       ``load_hf_state_dict(hf_dir)``, ``hf_to_ours(state, m)`` / ``ours_to_hf(state, m)`` (full,
       unsharded state dicts), ``lora_to_hf(state, m)`` -> {HF module: (lora_A, lora_B)},
       ``load_full_state_dict(model, state)``, ``run_parity(hf_dir, dtype, seed)`` -> the parity
@@ -106,7 +106,6 @@ class ModelFamily:
     position_ids: Callable
     validate: Callable[..., None] = lambda m, p: None
     video_position_grids: Callable = lambda grid: grid.reshape(-1, 3)
-    config_from_hf: Callable | None = None
     vision_graph_buckets: Callable[[int, int], list[int]] | None = None
     recompute_modules: tuple[str, ...] = ("core_attn", "layernorm")
     recompute_mixers: Callable[[], Iterable[type]] = lambda: ()

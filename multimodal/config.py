@@ -20,7 +20,7 @@ import yaml
 from core.errors import ConfigError  # noqa: F401 - re-exported: callers import it from here
 # the model and parallel sections live below the trainer, beside the model builder that reads them;
 # the model section's class is the one of the family model.name names (models.MODEL_REGISTRY)
-from models import DEFAULT_MODEL, get_model_family
+from models import DEFAULT_MODEL, get_hf_adapter, get_model_family
 from models.common.model_config import ModelConfig
 from models.common.parallel_config import ParallelConfig
 
@@ -563,10 +563,10 @@ def resolve_sources(cfg: Config) -> Config:
     """Fill what the recipe delegates to files: the architecture from ``model.hf_config`` and the
     special token ids from ``data.tokenizer`` (never guessed). Idempotent; call before validate."""
     if cfg.model.hf_config:
-        read = get_model_family(cfg.model.name).config_from_hf
-        _require(read is not None, f"model.hf_config: model.name={cfg.model.name} has no Hugging Face config "
-                                   "reader; set model.hf_config=null and give the architecture in the recipe")
-        cfg.model = read(cfg.model.hf_config, cfg.model)
+        family = get_model_family(cfg.model.name)
+        _require(family.hf_adapter is not None, f"model.hf_config: model.name={cfg.model.name} has no Hugging "
+                 "Face config reader; set model.hf_config=null and give the architecture in the recipe")
+        cfg.model = get_hf_adapter(family).model_config_from_hf(cfg.model.hf_config, base=cfg.model)
     if cfg.data.tokenizer:
         from data.chat import special_token_ids
         from data.loader import load_tokenizer

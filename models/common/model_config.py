@@ -30,7 +30,7 @@ class LoRAConfig:
 class ModelConfig:
     name: str = ""  # key of models.MODEL_REGISTRY; picks the dataclass this section is read into
     # A Hugging Face checkpoint dir (or its config.json): the architecture fields are then read
-    # from it at start-up (ModelFamily.config_from_hf; start from converted weights with checkpoint.load).
+    # from it at start-up (the family's HF adapter, model_config_from_hf; start from converted weights with checkpoint.load).
     hf_config: str | None = None
     hidden_size: int = 128
     num_layers: int = 4

@@ -28,12 +28,6 @@ def _position_ids(*args):
     return mrope_position_ids(*args)
 
 
-def _config_from_hf(path, base):
-    from models.qwen35_vl.hf import model_config_from_hf
-
-    return model_config_from_hf(path, base=base)
-
-
 def _hf_adapter():
     import models.qwen35_vl.hf_adapter as adapter  # torch + transformers' names: imported when asked for
 
@@ -80,7 +74,6 @@ FAMILY = ModelFamily(
     position_ids=_position_ids,
     video_position_grids=_video_position_grids,
     validate=validate,
-    config_from_hf=_config_from_hf,
     vision_graph_buckets=_vision_graph_buckets,
     recompute_modules=("core_attn", "layernorm", "shared_experts", "gdn_qkv", "gdn_norm_out", "moe_act"),
     recompute_mixers=_recompute_mixers,
