@@ -338,7 +338,7 @@ def test_prefetcher_prepares_each_batch_in_its_thread_and_the_vision_geometry_is
     grids = torch.cat([b["image_grid_thw"] for b in batches])
     assert grids.numel() and (grids[:, 1:] > 0).all()
     misses = vg._image_geometry.cache_info().misses
-    side = int(M.vision.num_position_embeddings**0.5)
+    side = M.vision.grid_side
     for b in batches:
         geo = vg.vision_geometry(b["image_grid_thw"], MERGE, side, "cpu")
         assert geo.interp_index.shape[0] == int(b["image_grid_thw"].prod(1).sum())

@@ -43,6 +43,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from models.common.buckets import bucket_rows
+
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "sdpa", "varlen", "cudnn")
@@ -162,14 +164,10 @@ def cudnn_packed_unavailable(q: torch.Tensor) -> str | None:
 
 
 def seqlen_bound(n: int) -> int:
-    """``max_seqlen`` rounded up for cuDNN's THD plans: to a multiple of 128 up to 1024, above to
-    one of eight evenly spaced sizes per doubling (the vision graphs' row buckets are among them),
-    so eager micro-batches of every image size share a handful of plans. Query tiles past a
-    segment's own length exit early."""
-    if n <= 1024:
-        return max(128, -(-n // 128) * 128)
-    step = 2 ** (n.bit_length() - 1) // 8
-    return -(-n // step) * step
+    """``max_seqlen`` rounded up for cuDNN's THD plans (``bucket_rows`` in units of 128: the vision
+    graphs' row buckets are among the bounds), so eager micro-batches of every image size share a
+    handful of plans. Query tiles past a segment's own length exit early."""
+    return bucket_rows(n, 128)
 
 
 def _cudnn_packed(q, k, v, cu_seqlens, max_seqlen, causal, scale):

@@ -27,6 +27,11 @@ class VisionConfig:
     num_position_embeddings: int = 2304
     rope_theta: float = 10000.0
 
+    @property
+    def grid_side(self) -> int:
+        """The side of the square learned position table (``num_position_embeddings`` entries)."""
+        return int(self.num_position_embeddings**0.5)
+
 
 @dataclass
 class ModelConfig(CommonModelConfig):

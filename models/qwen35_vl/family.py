@@ -47,7 +47,7 @@ def _prepare_host_batch(batch: dict, m) -> None:
     if grid is not None and grid.numel():
         from models.qwen35_vl.vision_geometry import warm_geometry
 
-        warm_geometry(grid, m.vision.spatial_merge_size, int(m.vision.num_position_embeddings**0.5))
+        warm_geometry(grid, m.vision.spatial_merge_size, m.vision.grid_side)
 
 
 def _vision_graph_buckets(max_patches: int, unit: int) -> list[int]:

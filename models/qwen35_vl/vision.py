@@ -59,7 +59,7 @@ class VisionEncoder(nn.Module):
         self.cfg = cfg
         h = cfg.hidden_size
         self.merge = cfg.spatial_merge_size
-        self.grid_side = int(cfg.num_position_embeddings**0.5)
+        self.grid_side = cfg.grid_side
         if self.grid_side**2 != cfg.num_position_embeddings:
             raise ValueError("model.vision.num_position_embeddings must be a square number")
         patch_dim = cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size**2

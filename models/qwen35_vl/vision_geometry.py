@@ -28,10 +28,7 @@ class VisionGeometry:
 
 
 def vision_geometry(grid_thw: torch.Tensor, merge: int, grid_side: int, device) -> VisionGeometry:
-    grid = [tuple(g) for g in grid_thw.detach().to("cpu", torch.long).tolist()]
-    # per image from a cache: building them is Python-heavy (~4 ms per micro-batch on the 2B
-    # recipe, in the step's critical path), and image sizes repeat
-    parts = [_image_geometry(t, h, w, merge, grid_side) for t, h, w in grid]
+    grid, parts = _image_parts(grid_thw, merge, grid_side)
     frames = [h * w for t, h, w in grid for _ in range(t)]
     cu = torch.tensor([0] + frames, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     return VisionGeometry(
@@ -49,8 +46,14 @@ def warm_geometry(grid_thw: torch.Tensor, merge: int, grid_side: int) -> None:
     data pipeline's prefetch thread calls this (``ModelFamily.prepare_host_batch``), so the training
     thread only concatenates cached tensors. The cached tensors are never modified, so a thread
     computing an entry the other also computes is harmless."""
-    for t, h, w in grid_thw.detach().to("cpu", torch.long).tolist():
-        _image_geometry(t, h, w, merge, grid_side)
+    _image_parts(grid_thw, merge, grid_side)
+
+
+def _image_parts(grid_thw: torch.Tensor, merge: int, grid_side: int) -> tuple[list[tuple], list[tuple]]:
+    """(the (t, h, w) of each image, its cached geometry). Per image from a cache: building them
+    is Python-heavy (~4 ms per micro-batch on the 2B recipe), and image sizes repeat."""
+    grid = [tuple(g) for g in grid_thw.detach().to("cpu", torch.long).tolist()]
+    return grid, [_image_geometry(t, h, w, merge, grid_side) for t, h, w in grid]
 
 
 def _cat(tensors: list[torch.Tensor], empty_shape, dtype) -> torch.Tensor:

@@ -46,6 +46,7 @@ from collections import Counter
 import torch
 import torch.nn.functional as F
 
+from models.common.buckets import bucket_rows  # the padded row count of a micro-batch
 from models.performance.layer_graphs import (WARMUP_ITERS, LayerGraph, Replay, count_eager, failure_summary,
                                        graph_backward, graph_inputs, record)
 from models.qwen35_vl.vision_geometry import VisionGeometry
@@ -53,18 +54,7 @@ from models.qwen35_vl.vision_geometry import VisionGeometry
 log = logging.getLogger(__name__)
 
 
-STEPS_PER_DOUBLING = 8
 FEW_SEGMENTS = 16  # the segment slots of the buckets most micro-batches replay (``segment_slots``)
-
-
-def bucket_rows(patches: int, unit: int) -> int:
-    """The padded row count of a micro-batch of ``patches`` patches: the next multiple of ``unit``
-    up to ``8 * unit``; above, the next of eight evenly spaced sizes per doubling (8..16 units in
-    steps of 1, 16..32 in steps of 2, ...), so at most 1/8 of the rows (above 8 units) are
-    padding, and a range of sizes from a to b needs about 8 * log2(b / a) buckets."""
-    units = max(1, -(-patches // unit))
-    step = max(1, 2 ** (units.bit_length() - 1) // STEPS_PER_DOUBLING)
-    return -(-units // step) * step * unit
 
 
 def segment_slots(segments: int, max_images: int) -> int:
