@@ -56,7 +56,7 @@ class ModelConfig:
     pad_token_id: int = 1006
     video_token_id: int = 1007  # <|video_pad|>: a video's frames, as image_token_id an image's
     # kernels
-    attention_backend: str = "auto"  # auto | sdpa | varlen (models/common/attention.py)
+    attention_backend: str = "auto"  # auto | sdpa | varlen | cudnn (models/common/attention.py)
     # RMS norms through torch.compile (fused fwd/bwd kernels, same fp32 math); null = on CUDA only
     compile_norms: bool | None = None
     # SwiGLU (silu(a) * b of the MLP's fc1 output) fused: one kernel per direction instead of
