@@ -64,33 +64,15 @@ def main(argv=None) -> int:
     return 0
 
 
-def _write_images(folder: Path, n: int, lo: int, hi: int) -> list[Path]:
-    """n photo-like files (smooth colour fields plus noise, so neither format compresses them to
-    nothing), sides uniform in [lo, hi], every other one a JPEG (quality 90) or a PNG."""
-    import numpy as np
-    from PIL import Image
-
-    rng = np.random.default_rng(0)
-    paths = []
-    for i in range(n):
-        h, w = (int(x) for x in rng.integers(lo, hi + 1, size=2))
-        yy, xx = np.mgrid[0:h, 0:w].astype(np.float32)
-        base = np.stack([xx / w, yy / h, (xx + yy) / (w + h)], -1) * 200
-        img = np.clip(base + rng.normal(0, 12, (h, w, 3)), 0, 255).astype(np.uint8)
-        path = folder / (f"{i}.jpg" if i % 2 == 0 else f"{i}.png")
-        Image.fromarray(img).save(path, **({"quality": 90} if path.suffix == ".jpg" else {}))
-        paths.append(path)
-    return paths
-
-
 def image_file_rates(cfg, n: int, lo: int, hi: int) -> dict:
     import tempfile
 
     from data.image import image_patches, open_image
+    from data.synthetic_images import write_photo_like_images
 
     v, d = cfg.model.vision, cfg.data
     with tempfile.TemporaryDirectory() as tmp:
-        paths = _write_images(Path(tmp), n, lo, hi)
+        paths = write_photo_like_images(tmp, n, lo, hi)
         decode = resize = 0.0
         patches = megapixels = 0
         for path in paths:

@@ -263,3 +263,28 @@ def test_proxy_trains_on_synthetic_conversations(tmp_path, tok_dir):
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(x) for x in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and all(0 < r["loss"] < 20 for r in rows)
+
+
+def test_image_conversations_set_loads_with_every_file_decoded(tmp_path, model_cfg, tok):
+    """scripts/make_image_conversations.py's set: each record's own files, JPEG and PNG, decode to
+    the grids the image pipeline gives those files, in record order, with their image tokens."""
+    from data.image import image_patches, open_image
+    from data.synthetic_images import write_image_conversations
+
+    path = write_image_conversations(tmp_path, samples=5, lo=40, hi=200, max_images=3, seed=1, processes=2)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    ds = _ds(path, model_cfg, tok)
+    assert len(ds) == 5 and {p.suffix for p in (tmp_path / "images").iterdir()} == {".jpg", ".png"}
+    all_grids = set()
+    for i, record in enumerate(records):
+        files = [part["image"] for part in record["messages"][0]["content"] if part["type"] == "image"]
+        assert 1 <= len(files) <= 3
+        sample = ds[i]
+        grids = [tuple(g) for g in sample["image_grid_thw"].tolist()]
+        expected = [tuple(image_patches(open_image(str(tmp_path / rel)), 16, 2, 2, **PIXELS)[1])
+                    for rel in files]
+        assert grids == expected
+        all_grids.update(grids)
+        assert int((sample["input_ids"] == model_cfg.image_token_id).sum()) == sum(t * h * w // 4 for t, h, w in grids)
+    assert len(all_grids) > 3  # sides vary, so a mix-up of files would change the grids
+    assert (tmp_path / "tokenizer" / "tokenizer_config.json").is_file()
