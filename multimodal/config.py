@@ -117,7 +117,9 @@ class TrainConfig:
     cuda_graph_vision_max_buckets: int = 24
     # Capture every vision bucket up to this many patches at the first micro-batch, so no later
     # step stops to capture one (e.g. the largest row of images the data can make; 0 = capture
-    # each bucket when first seen). At most cuda_graph_vision_max_buckets buckets.
+    # each bucket when first seen; -1 = the most a micro-batch can hold, micro_batch_size x
+    # seq_length x spatial_merge_size^2, as each merged patch is a token of the row).
+    # At most cuda_graph_vision_max_buckets buckets.
     cuda_graph_vision_warmup_patches: int = 0
     # The backward graphs add the parameter gradients into DDP's main_grad themselves (megatron's
     # grad_added_to_main_grad convention), instead of returning static gradients that autograd
@@ -365,14 +367,16 @@ def validate(cfg: Config, world_size: int = 1) -> None:
                  f"train.cuda_graph_vision_bucket must be 0 (vision eager) or a positive multiple of "
                  f"model.vision.spatial_merge_size^2 = {merge2}, got {t.cuda_graph_vision_bucket}")
         _require(t.cuda_graph_vision_max_buckets >= 1, "train.cuda_graph_vision_max_buckets must be >= 1")
-        _require(t.cuda_graph_vision_warmup_patches >= 0, "train.cuda_graph_vision_warmup_patches must be >= 0")
+        _require(t.cuda_graph_vision_warmup_patches >= -1,
+                 "train.cuda_graph_vision_warmup_patches must be >= 0, or -1 for the most a micro-batch can hold")
         buckets = get_model_family(m.name).vision_graph_buckets
-        if t.cuda_graph_vision_warmup_patches and t.cuda_graph_vision_bucket and buckets is not None:
-            n = len(buckets(t.cuda_graph_vision_warmup_patches, t.cuda_graph_vision_bucket))
+        warmup = vision_warmup_patches(cfg)
+        if warmup and t.cuda_graph_vision_bucket and buckets is not None:
+            n = len(buckets(warmup, t.cuda_graph_vision_bucket))
             _require(n <= t.cuda_graph_vision_max_buckets,
                      f"train.cuda_graph_vision_warmup_patches={t.cuda_graph_vision_warmup_patches} needs {n} vision "
-                     f"buckets, more than train.cuda_graph_vision_max_buckets={t.cuda_graph_vision_max_buckets}; "
-                     "raise that or lower the warm-up")
+                     f"buckets (up to {warmup} patches), more than train.cuda_graph_vision_max_buckets="
+                     f"{t.cuda_graph_vision_max_buckets}; raise that or lower the warm-up")
     if m.freeze:
         from multimodal.freeze import check_freeze
 
@@ -495,6 +499,15 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _require(abs(m.video_token_id - m.image_token_id) < 256,
              f"model.video_token_id={m.video_token_id} is far from model.image_token_id={m.image_token_id}; set it "
              "to the tokenizer's <|video_pad|> id (Qwen3.5: 248057) or read the model from model.hf_config")
+
+
+def vision_warmup_patches(cfg: Config) -> int:
+    """train.cuda_graph_vision_warmup_patches with -1 resolved: every merged patch is one token of
+    the row, so no micro-batch holds more than micro_batch_size x seq_length x merge^2 patches."""
+    t = cfg.train
+    if t.cuda_graph_vision_warmup_patches >= 0:
+        return t.cuda_graph_vision_warmup_patches
+    return t.micro_batch_size * t.seq_length * cfg.model.vision.spatial_merge_size**2
 
 
 def validate_eval(t: TrainConfig, d: DataConfig) -> None:

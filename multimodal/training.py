@@ -27,9 +27,10 @@ from data.loader import MicroBatchIterator, build_dataset, default_num_workers
 from data.prefetch import Prefetcher
 from models import get_model_builder, get_model_family
 from multimodal import checkpointing, platform
-from multimodal.config import Config, ConfigError, resolve_sources, validate
+from multimodal.config import Config, ConfigError, resolve_sources, validate, vision_warmup_patches
 from multimodal.context_parallel import sequence_pad_multiple
 from core.errors import NonFiniteError
+from core.transfer import to_device_async
 from multimodal.evaluation import Evaluator
 from multimodal.flops import device_peak_tflops, training_flops
 from multimodal.forward_step import ForwardStep
@@ -110,7 +111,7 @@ def build_model_and_optimizer(cfg: Config, rt: Runtime, dtype: torch.dtype):
             model.vision_graphs = vision.install_cuda_graphs(t.cuda_graph_vision_bucket, t.cuda_graph_vision_max_buckets,
                                                              t.cuda_graph_max_samples,
                                                              grads_to_main_grad=t.cuda_graph_grads_to_main_grad,
-                                                             warmup_patches=t.cuda_graph_vision_warmup_patches)
+                                                             warmup_patches=vision_warmup_patches(cfg))
     optimizer, scheduler = build_optimizer(cfg, model, ddp, dtype)
     # megatron's schedule calls these: DP grad reduction once per step, scaled once by the
     # total number of supervised tokens (calculate_per_token_loss).
@@ -447,8 +448,11 @@ def _start_log(it, report, grad_norm, scheduler, window: _Window, clock: StepClo
                        group=ps.get_pipeline_model_parallel_group())
     if ps.get_context_parallel_world_size() > 1:  # each CP rank holds the loss of its own tokens
         dist.all_reduce(report, group=ps.get_context_parallel_group())
-    totals = torch.cat([report.double(), torch.tensor([window.tokens, window.flops], dtype=torch.float64,
-                                                      device=report.device)])
+    # the host counts go through pinned memory: torch.tensor(..., device=cuda) copies from pageable
+    # memory, which waits for the whole queued step and left the GPU idle while the host then
+    # prepared the next batch (~14 ms of every logged 2B step with varied images)
+    counts = to_device_async(torch.tensor([window.tokens, window.flops], dtype=torch.float64), report.device)
+    totals = torch.cat([report.double(), counts])
     dist.all_reduce(totals, group=dp_group)  # loss and tokens of the whole data-parallel batch
     host = {"lr": scheduler.get_lr(scheduler.optimizer.param_groups[0]), "steps": window.steps,
             "processed_tokens": window.steps * processed_per_step}

@@ -323,7 +323,25 @@ def test_micro_batches_of_many_images_replay_buckets_with_more_segment_slots(mco
 def test_config_checks_the_vision_warmup():
     cfg = load_config("configs/qwen35_vl_proxy.yaml", ["train.cuda_graphs=true",
                                                        "train.cuda_graph_vision_warmup_patches=40000"])
-    with pytest.raises(ConfigError, match="needs 26 vision buckets, more than train.cuda_graph_vision_max_buckets=24"):
+    with pytest.raises(ConfigError, match="needs 26 vision buckets .* more than train.cuda_graph_vision_max_buckets=24"):
+        validate(cfg)
+
+
+def test_vision_warmup_of_minus_one_covers_the_largest_row():
+    """-1: every bucket up to micro_batch_size x seq_length x merge^2 patches (each merged patch
+    is a token of the row); the proxy's 512-token rows hold at most 2048 patches: 2 buckets of 1024."""
+    from multimodal.config import vision_warmup_patches
+
+    cfg = load_config("configs/qwen35_vl_proxy.yaml", ["train.cuda_graphs=true",
+                                                       "train.cuda_graph_vision_warmup_patches=-1"])
+    validate(cfg)
+    assert vision_warmup_patches(cfg) == 1 * 512 * 2**2
+    cfg = load_config("configs/qwen35_vl_2b.yaml", ["train.cuda_graph_vision_warmup_patches=-1",
+                                                    "train.seq_length=16384"])
+    with pytest.raises(ConfigError, match=r"needs 32 vision buckets \(up to 65536 patches\)"):
+        validate(cfg)
+    cfg = load_config("configs/qwen35_vl_proxy.yaml", ["train.cuda_graphs=true", "train.cuda_graph_vision_warmup_patches=-2"])
+    with pytest.raises(ConfigError, match="must be >= 0, or -1"):
         validate(cfg)
 
 
