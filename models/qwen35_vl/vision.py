@@ -101,7 +101,10 @@ class VisionEncoder(nn.Module):
                 # the same 2-D rotary as blocked MRoPE: frequencies [0, n) read the row, [n, 2n) the
                 # column (axis 0 is unused), with inv_freq repeated for the two halves
                 n = self.inv_freq.numel()
-                pos = geo.rot_pos.T[[0, 0, 1]]  # [3, N]: (unused, row, col)
+                # stack, not rot_pos.T[[0, 0, 1]]: a list index is a host tensor, copied to the
+                # device from pageable memory, which waits for all queued work every step
+                rows, cols = geo.rot_pos.unbind(1)
+                pos = torch.stack([rows, rows, cols])  # [3, N]: (unused, row, col)
                 angles = (pos, torch.cat([self.inv_freq, self.inv_freq]), (0, n, n))
             else:
                 fused_mrope.warn_fallback(reason)

@@ -95,7 +95,7 @@ def main() -> int:
         return 2
     variants = {
         "eager": ["train.cuda_graphs=false"],
-        "cuda_graphs": ["train.cuda_graphs=true", "train.cuda_graph_vision_warmup_patches=4096"],
+        "cuda_graphs": ["train.cuda_graphs=true", "train.cuda_graph_vision_warmup_patches=-1"],
     }
     result, ok = {"config": args.config, "steps": args.steps, "from_step": args.from_step,
                   "device": torch.cuda.get_device_name()}, True
