@@ -51,6 +51,9 @@ def fla_unusable_reason() -> str | None:
     return None
 
 
+GDN_BACKENDS = ("auto", "flash_qla", "fla", "torch")  # model.gdn_backend
+
+
 @functools.cache
 def gdn_backend(requested: str = "auto") -> str:
     """Resolve 'auto' | 'fla' | 'flash_qla' | 'torch' to the backend this process uses; logs the choice."""
@@ -72,7 +75,7 @@ def gdn_backend(requested: str = "auto") -> str:
         _no_fla_flash_qla_dispatch()
         return "fla"
     if requested != "auto":
-        raise ValueError(f"model.gdn_backend must be auto|fla|flash_qla|torch, got {requested!r}")
+        raise ValueError(f"model.gdn_backend must be one of {'|'.join(GDN_BACKENDS)}, got {requested!r}")
     if reason is None:
         log.info("GDN kernels: flash-linear-attention (FlashQLA: %s)", qla_reason)
         _no_fla_flash_qla_dispatch()

@@ -21,6 +21,7 @@ from core.errors import ConfigError  # noqa: F401 - re-exported: callers import 
 # the model and parallel sections live below the trainer, beside the model builder that reads them;
 # the model section's class is the one of the family model.name names (models.MODEL_REGISTRY)
 from models import DEFAULT_MODEL, get_hf_adapter, get_model_family
+from models.common.attention import BACKENDS as ATTENTION_BACKENDS
 from models.common.model_config import ModelConfig
 from models.common.parallel_config import ParallelConfig
 
@@ -533,6 +534,9 @@ def validate_eval(t: TrainConfig, d: DataConfig) -> None:
 def validate_layout(m: ModelConfig, p: ParallelConfig) -> None:
     """The model's shapes against the parallel layout: the attention heads every family has here,
     then the family's own rules (``ModelFamily.validate``: its mixers, experts, kernels)."""
+    # checked here, not at the first forward, where a misspelling used to surface after the build
+    _require(m.attention_backend in ATTENTION_BACKENDS,
+             f"model.attention_backend must be one of {'|'.join(ATTENTION_BACKENDS)}, got {m.attention_backend!r}")
     _require(m.num_attention_heads % m.num_query_groups == 0,
              f"model.num_attention_heads ({m.num_attention_heads}) must be a multiple of "
              f"model.num_query_groups ({m.num_query_groups})")

@@ -34,8 +34,10 @@ def test_malformed_override_is_named():
     (["train.on_nonfinite=ignore"], r"train.on_nonfinite must be skip\|stop"),
     (["train.max_nonfinite_steps=0"], r"train.max_nonfinite_steps must be >= 1"),
     (["logging.wandb_mode=sometimes"], r"logging.wandb_mode must be"),
+    (["model.attention_backend=flash"], r"model.attention_backend must be one of auto\|sdpa\|varlen\|cudnn, got 'flash'"),
+    (["model.gdn_backend=flashqla"], r"model.gdn_backend must be one of auto\|flash_qla\|fla\|torch, got 'flashqla'"),
 ])
-def test_learning_rates_and_guard_settings_are_checked(overrides, needle):
+def test_learning_rates_guard_settings_and_kernel_backends_are_checked(overrides, needle):
     with pytest.raises(ConfigError, match=needle):
         validate(load_config(PROXY, overrides))
 

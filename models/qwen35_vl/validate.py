@@ -6,6 +6,7 @@ are multimodal/config.py's."""
 from __future__ import annotations
 
 from core.errors import require
+from fused_kernels.gated_delta_rule import GDN_BACKENDS
 from models.qwen35_vl.config import ModelConfig
 
 
@@ -13,6 +14,8 @@ def validate(m: ModelConfig, p) -> None:
     """``p``: the recipe's parallel section (models/common/parallel_config.py)."""
     require(m.full_attention_interval >= 1,
             f"model.full_attention_interval must be >= 1, got {m.full_attention_interval}")
+    require(m.gdn_backend in GDN_BACKENDS,
+            f"model.gdn_backend must be one of {'|'.join(GDN_BACKENDS)}, got {m.gdn_backend!r}")
     require(m.gdn_pre_impl in ("auto", "fused", "unfused"),
             f"model.gdn_pre_impl must be auto|fused|unfused, got {m.gdn_pre_impl!r}")
     for name in ("linear_num_key_heads", "linear_num_value_heads"):
