@@ -20,11 +20,16 @@ CHECKPOINT_MAX_PIXELS = 16_777_216
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """Qwen's ``smart_resize``: sides multiples of ``factor``, area in [min, max], aspect kept."""
+    """Qwen's ``smart_resize``: sides multiples of ``factor``, area in [min, max], aspect kept.
+
+    The first rounding may give a side of 0 (a side of ``factor / 2`` or less, e.g. a text-line
+    crop): as in transformers' processor it is not raised to ``factor`` there, the area falls below
+    ``min_pixels`` and both sides are scaled up together, so the aspect is kept instead of one side
+    being padded out on its own (tests/test_image_processing.py pins the thin sizes)."""
     if max(height, width) / max(1, min(height, width)) > 200:
         raise ValueError(f"aspect ratio of {height}x{width} is over 200")
-    h = max(factor, round(height / factor) * factor)
-    w = max(factor, round(width / factor) * factor)
+    h = round(height / factor) * factor
+    w = round(width / factor) * factor
     if h * w > max_pixels:
         beta = math.sqrt(height * width / max_pixels)
         h = max(factor, math.floor(height / beta / factor) * factor)
@@ -38,8 +43,10 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
 
 def to_rgb(img):
     """A PIL image as RGB, transparency painted onto white (RGBA, LA, palette with a transparent
-    colour), as transformers' ``convert_to_rgb`` and qwen-vl-utils do: dropping alpha instead
-    shows the model whatever colour the transparent pixels happen to store."""
+    colour), as transformers' ``convert_to_rgb`` (the image processor's) does: dropping alpha
+    instead shows the model whatever colour the transparent pixels happen to store. qwen-vl-utils'
+    ``to_rgb`` paints only RGBA onto white; it converts LA and transparent palettes with
+    ``convert("RGB")``, which drops their alpha."""
     from PIL import Image
 
     if img.mode == "RGB":
@@ -50,14 +57,18 @@ def to_rgb(img):
 
 
 def open_image(source):
-    """Decode an image from bytes or a path, fully loaded (a corrupt file fails here, not later)."""
+    """Decode an image from bytes or a path, fully loaded (a corrupt file fails here, not later),
+    upright: its EXIF orientation applied, as transformers' ``load_image`` does for paths, URLs
+    and base64 (a phone photo stored sideways would otherwise reach the model rotated, with its
+    grid's height and width swapped). qwen-vl-utils does not apply it (docs/data.md)."""
     import io
 
-    from PIL import Image
+    from PIL import Image, ImageOps
 
     with Image.open(io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source) as im:
         im.load()
-        return to_rgb(im) if im.mode != "RGB" else im.copy()
+        upright = ImageOps.exif_transpose(im)  # a new image when rotated, else a copy
+        return to_rgb(upright) if upright.mode != "RGB" else upright
 
 
 def image_patches(img, patch_size: int, temporal_patch_size: int, merge: int, min_pixels: int,

@@ -113,3 +113,57 @@ def test_bad_pixel_range_names_the_field():
 
     with pytest.raises(ConfigError, match="data.min_pixels"):
         validate(load_config(None, ["data.min_pixels=5000", "data.max_pixels=4096"]))
+
+
+# Sizes where our smart_resize used to raise a side of factor/2 or less to factor before the pixel
+# range, and transformers' does not (issue 42): text-line crops, both orientations, and a square.
+@pytest.mark.parametrize("h, w, lo, hi", [(16, 200, 4096, 65536), (15, 2900, CHECKPOINT_MIN_PIXELS, CHECKPOINT_MAX_PIXELS),
+                                          (2900, 15, CHECKPOINT_MIN_PIXELS, CHECKPOINT_MAX_PIXELS),
+                                          (12, 300, 4096, 65536), (8, 1000, 4096, 65536), (16, 16, 4096, 65536)])
+def test_thin_images_equal_transformers(h, w, lo, hi):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
+
+    assert smart_resize(h, w, P * M, lo, hi) == tuple(hf_smart_resize(h, w, P * M, lo, hi))
+    img = Image.fromarray(np.random.default_rng(h * w).integers(0, 256, (h, w, 3), dtype=np.uint8))
+    ours, grid = image_patches(open_image(_png(img)), P, TP, M, lo, hi, MEAN, STD)
+    hf = _hf(Image.open(io.BytesIO(_png(img))), lo, hi)
+    assert hf["image_grid_thw"][0].tolist() == grid.tolist()
+    torch.testing.assert_close(ours, hf["pixel_values"], rtol=0, atol=1e-6)
+    if (h, w) == (15, 2900):  # the issue's crop: 224 patches wide, not 182
+        assert grid.tolist() == [1, 2, 224]
+
+
+def _jpeg_with_orientation(orientation: int) -> bytes:
+    """A 48x80 (h x w) JPEG stored sideways, as a phone writes it, with an EXIF Orientation tag."""
+    rng = np.random.default_rng(orientation)
+    img = Image.fromarray(rng.integers(0, 256, (48, 80, 3), dtype=np.uint8))
+    exif = Image.Exif()
+    exif[0x0112] = orientation  # Orientation
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", exif=exif.tobytes(), quality=95)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("orientation", [6, 3, 8])
+def test_exif_orientation_equals_transformers_load_image(orientation, tmp_path):
+    """Path and base64 both go through transformers' load_image (it applies exif_transpose); ours
+    decodes a path and bytes, which is what a data URL becomes."""
+    import base64
+
+    from transformers.image_utils import load_image
+
+    data = _jpeg_with_orientation(orientation)
+    path = tmp_path / "photo.jpg"
+    path.write_bytes(data)
+    lo, hi = 4096, 65536
+    for ours_src, hf_src in ((path, str(path)), (data, "data:image/jpeg;base64," + base64.b64encode(data).decode())):
+        upright = open_image(ours_src)
+        hf_img = load_image(hf_src)
+        assert upright.size == hf_img.size
+        assert np.array_equal(np.asarray(upright), np.asarray(hf_img))
+        ours, grid = image_patches(upright, P, TP, M, lo, hi, MEAN, STD)
+        hf = _hf(hf_img, lo, hi)
+        assert hf["image_grid_thw"][0].tolist() == grid.tolist()
+        torch.testing.assert_close(ours, hf["pixel_values"], rtol=0, atol=1e-6)
+    if orientation in (6, 8):  # stored 48 x 80, seen 80 high x 48 wide
+        assert upright.size == (48, 80)
