@@ -126,12 +126,18 @@ class MicroBatchIterator:
     micro-batch.
     ``start_index`` is where the whole dp group starts in the global sample order (rank r
     begins at start_index + r); to resume, use ``load_state_dict`` instead.
+
+    ``one_pass=True`` (validation): samples are read once, up to the dataset's end, never wrapped
+    around; once a rank has none left its micro-batches are blank rows (``blank_sample``: one pad
+    token, no image, no supervised token). Every rank still yields one micro-batch per call, so
+    the fixed schedule of micro-batches (and the collectives inside it) runs unchanged, and the
+    blank rows add nothing to the loss or its token count.
     """
 
     def __init__(self, dataset, seq_length: int, pad_id: int, image_token_id: int | tuple[int, ...], merge: int,
                  pack: bool, micro_batch_size: int, dp_rank: int, dp_size: int, start_index: int = 0,
                  max_bad_fraction: float = 0.1, num_workers: int = 0, pad_multiple: int = 1,
-                 pack_lookahead: int = 0):
+                 pack_lookahead: int = 0, one_pass: bool = False):
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank {dp_rank} must be in [0, dp_size={dp_size})")
         if len(dataset) == 0:
@@ -155,6 +161,10 @@ class MicroBatchIterator:
             raise ValueError(f"pack_lookahead must be >= 0, got {pack_lookahead}")
         self.lookahead = pack_lookahead if pack else 0
         self._buffer: list[tuple[int, dict, int]] = []  # (index, sample, packed length), oldest first
+        self.one_pass = one_pass
+        self.blank_rows = 0  # micro-batches that held no sample (one_pass, after the dataset's end)
+        self._blank: dict | None = None
+        self._first: dict | None = None  # the first usable sample read: the blank row's model
 
     def _read(self, index: int) -> dict | None:
         if not self.num_workers:
@@ -175,15 +185,18 @@ class MicroBatchIterator:
     def __iter__(self):
         return self
 
-    def _peek(self) -> dict:
-        """The next usable sample of this rank. Rows the dataset skips (it returns None for a
+    def _peek(self) -> dict | None:
+        """The next usable sample of this rank (None: the pass is over, ``one_pass`` only). Rows the dataset skips (it returns None for a
         corrupt image, bad JSON, ...) are stepped over and counted; a run whose data is mostly
         broken stops with the dataset's reasons instead of training on what is left."""
         while self._peeked is None or self._peeked[0] != self._next:
+            if self.one_pass and self._next >= len(self.dataset):
+                return None
             sample = self._read(self._next)
             self.seen += 1
             if sample is not None:
                 self._peeked = (self._next, sample)
+                self._first = self._first or sample
                 break
             self.bad += 1
             if self.seen >= MIN_SAMPLES_FOR_BAD_CHECK and self.bad > self.max_bad_fraction * self.seen:
@@ -195,10 +208,32 @@ class MicroBatchIterator:
             self._next += self.dp_size
         return self._peeked[1]
 
-    def _take(self) -> dict:
+    def _take(self) -> dict | None:
         sample = self._peek()
-        self._next += self.dp_size
+        if sample is not None:
+            self._next += self.dp_size
         return sample
+
+    def blank_sample(self) -> dict:
+        """A sample that occupies a row and is scored on nothing: one pad token, no image, loss
+        mask 0. Its position-id and pixel layouts are copied from the dataset's first usable
+        sample, so it collates like the dataset's own samples for any model family."""
+        if self._blank is None:
+            like = self._first or next((s for s in map(self.dataset.__getitem__, range(len(self.dataset)))
+                                        if s is not None), None)
+            if like is None:
+                raise DataError("the dataset has no usable sample (every one was skipped); fix the data")
+            self._blank = {
+                "input_ids": torch.full((1,), self.pad_id, dtype=torch.long),
+                "labels": torch.full((1,), -100, dtype=torch.long),
+                "loss_mask": torch.zeros(1),
+                "position_ids": torch.zeros_like(like["position_ids"][..., :1]),
+                "pixel_values": like["pixel_values"][:0],
+                "image_grid_thw": like["image_grid_thw"][:0],
+                "index": -1,
+            }
+        self.blank_rows += 1
+        return self._blank
 
     def _size(self, sample: dict) -> int:
         return padded_length(len(sample["input_ids"]), self.pad_multiple)
@@ -206,11 +241,15 @@ class MicroBatchIterator:
     def _refill(self) -> None:
         while len(self._buffer) < self.lookahead:
             sample = self._peek()
+            if sample is None:
+                return
             self._buffer.append((self._next, sample, self._size(sample)))
             self._take()
 
     def _best_fit_row(self) -> list[dict]:
         self._refill()
+        if not self._buffer:
+            return [self.blank_sample()]
         _, first, used = self._buffer.pop(0)  # the oldest: every sample gets its turn
         row = [first]
         while True:
@@ -227,14 +266,15 @@ class MicroBatchIterator:
     def __next__(self) -> dict:
         args = (self.seq_length, self.pad_id, self.image_token_id, self.merge)
         if not self.pack:
-            return pad_bshd([self._take() for _ in range(self.micro_batch_size)], *args)
+            samples = [self._take() for _ in range(self.micro_batch_size)]
+            return pad_bshd([s if s is not None else self.blank_sample() for s in samples], *args)
 
         if self.lookahead or self._buffer:  # (a buffer restored into a run without lookahead drains first)
             return pack_thd(self._best_fit_row(), *args, pad_multiple=self.pad_multiple)
-        row = [self._take()]  # always at least one sample; pack_thd raises if it is too long
+        row = [self._take() or self.blank_sample()]  # at least one sample; pack_thd raises if it is too long
         used = self._size(row[0])
-        while used + self._size(self._peek()) <= self.seq_length:
-            used += self._size(self._peek())
+        while (nxt := self._peek()) is not None and used + self._size(nxt) <= self.seq_length:
+            used += self._size(nxt)
             row.append(self._take())
         return pack_thd(row, *args, pad_multiple=self.pad_multiple)
 

@@ -8,7 +8,9 @@ What one evaluation does:
 - Data: ``train.eval_iters`` global batches of the validation set (``valid_data_config``: the same
   kind of data set as training, held out), read by a fresh loader from the set's start every time,
   so every evaluation scores the same samples and the numbers compare. Data-parallel ranks shard
-  the samples and pack their rows as training does; the training loader is never touched.
+  the samples and pack their rows as training does; the training loader is never touched. Each
+  sample counts at most once per evaluation: a set smaller than the rows fills them once, and the
+  rows after its end are blank (no supervised token; ``one_pass`` in data/loader.py).
 - Forward only: megatron's forward_backward_func with ``forward_only=True`` (any pipeline layout),
   under ``torch.no_grad`` with the model in eval mode, the modules' own modes restored afterwards.
 - Loss: the training loss's definition: per micro-batch the sum of masked token losses and the
@@ -66,7 +68,7 @@ class Evaluator:
         self.dataset = dataset
         self.interval, self.iters, self.last = cfg.train.eval_interval, cfg.train.eval_iters, cfg.train.iters
         self.fwd = get_forward_backward_func()
-        self._warned_wrap = False
+        self._told_blank = False
 
     @classmethod
     def build(cls, cfg, rt, ddp, optimizer, dtype, num_microbatches: int) -> Evaluator | None:
@@ -90,7 +92,7 @@ class Evaluator:
             self.dataset, t.seq_length, m.pad_token_id, m.vision_token_ids, m.vision.spatial_merge_size,
             cfg.data.pack, t.micro_batch_size, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
             max_bad_fraction=cfg.data.max_bad_fraction, num_workers=cfg.data.num_workers,
-            pad_multiple=sequence_pad_multiple(cfg), pack_lookahead=cfg.data.pack_lookahead,
+            pad_multiple=sequence_pad_multiple(cfg), pack_lookahead=cfg.data.pack_lookahead, one_pass=True,
         )
 
     def _forward_step(self) -> ForwardStep:
@@ -132,7 +134,7 @@ class Evaluator:
                 for reason in g.eager_batches:
                     g.eager_batches[reason] = before.get(reason, 0)
             checkpointing._set_rng_state(rng)
-        self._check_wrap(loader)
+        self._tell_blank(loader)
         # the reductions of training's loss (training._start_log): last pipeline stage -> all
         # stages, then the sum over context-parallel and data-parallel ranks
         if ps.get_pipeline_model_parallel_world_size() > 1:
@@ -146,14 +148,11 @@ class Evaluator:
         loss = loss_sum / tokens if tokens > 0 else float("nan")
         return {"val_loss": loss, "val_tokens": int(tokens), "val_time_s": time.perf_counter() - start}
 
-    def _check_wrap(self, loader: MicroBatchIterator) -> None:
-        """Warn (once) when the rows scored took a sample past the set's end, i.e. one a second time
-        (samples read ahead for packing but not used do not count)."""
-        state = loader.state_dict()  # global (unwrapped) indices: this rank's next one, the read-ahead ones
-        pending, dp = set(state["pending"]), ps.get_data_parallel_world_size()
-        used = [i for i in range(ps.get_data_parallel_rank(), state["next_index"], dp) if i not in pending]
-        if used and max(used) >= len(self.dataset) and not self._warned_wrap:
-            self._warned_wrap = True
-            log.warning("validation: train.eval_iters=%d global batch(es) need more samples than the %d of the "
-                        "validation set, so some count twice; lower train.eval_iters or add samples",
-                        self.iters, len(self.dataset))
+    def _tell_blank(self, loader: MicroBatchIterator) -> None:
+        """Say (once) when the validation set ran out before train.eval_iters' rows did: those rows
+        were blank, computed and scored on nothing."""
+        if loader.blank_rows and not self._told_blank:
+            self._told_blank = True
+            log.warning("validation: the %d samples of the validation set end before train.eval_iters=%d global "
+                        "batch(es); %d row(s) on this rank were blank (each sample counts once, none repeats); "
+                        "lower train.eval_iters to skip them", len(self.dataset), self.iters, loader.blank_rows)

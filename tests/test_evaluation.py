@@ -85,6 +85,41 @@ def test_validation_data_is_held_out_and_of_the_same_kind():
     assert valid_data_config(conv).path == "b.jsonl"
 
 
+@pytest.mark.parametrize("pack, lookahead, dp", [(True, 0, 1), (True, 16, 1), (True, 16, 2), (False, 0, 2)])
+def test_each_validation_sample_counts_once_per_pass(monkeypatch, pack, lookahead, dp):
+    """A validation set of 3 samples and eval_iters asking for 8 rows a rank: the evaluator's loader
+    scores each sample once (no sample repeats to fill the rows) and the rows after the set's end
+    are blank (nothing supervised), on every data-parallel rank and packing mode."""
+    from megatron.core import parallel_state as ps
+
+    from multimodal import evaluation
+
+    cfg = load_config(PROXY, [*TINY, "train.eval_interval=1", "train.eval_iters=4", "data.num_samples=3",
+                              f"data.pack={str(pack).lower()}", f"data.pack_lookahead={lookahead}"])
+    data = evaluation.valid_data_config(cfg.data)
+    dataset = evaluation.build_dataset(cfg.model, data, cfg.train.seq_length)
+    ev = evaluation.Evaluator.__new__(evaluation.Evaluator)
+    ev.cfg, ev.dataset = cfg, dataset
+    monkeypatch.setattr(ps, "get_data_parallel_world_size", lambda: dp)
+    want = sorted(len(dataset[i]["input_ids"]) for i in range(len(dataset)))
+    lengths, supervised, blank = [], 0.0, 0
+    for rank in range(dp):
+        monkeypatch.setattr(ps, "get_data_parallel_rank", lambda rank=rank: rank)
+        loader = ev._loader()
+        for _ in range(cfg.train.eval_iters * cfg.train.global_batch_size // dp):
+            row = next(loader)
+            supervised += float(row["loss_mask"].sum())
+            if sum(row["sample_lengths"]) == len(row["sample_lengths"]):  # blank: one pad token a sample
+                assert float(row["loss_mask"].sum()) == 0 and row["image_grid_thw"].numel() == 0
+                blank += 1
+            else:
+                lengths += row["sample_lengths"]
+        assert loader.blank_rows > 0
+    assert sorted(lengths) == want  # every sample once, none twice
+    assert supervised == sum(float(dataset[i]["loss_mask"].sum()) for i in range(len(dataset)))
+    assert blank > 0
+
+
 # ---------------------------------------------------------------- runs
 
 
