@@ -53,6 +53,22 @@ def render(sample, decode, image_token_id: int | tuple[int, ...], color: bool) -
     return "".join(out)
 
 
+def pixel_stats(sample) -> list[dict]:
+    """Per image and video, in sequence order: its grid, patch count and the statistics of its
+    normalised pixel values (over all, and per RGB channel), to compare with another processor's
+    ``pixel_values`` without dumping them. Each patch row is laid out (channel, time, row, col),
+    so its channel c is the row's c-th third."""
+    out, start = [], 0
+    for grid in sample["image_grid_thw"].reshape(-1, 3).tolist():
+        n = grid[0] * grid[1] * grid[2]
+        x = sample["pixel_values"][start:start + n].double()
+        start += n
+        channels = x.reshape(n, 3, -1).transpose(0, 1).reshape(3, -1)
+        out.append({"grid_thw": grid, "patches": n, "mean": x.mean().item(), "std": x.std().item(),
+                    "min": x.min().item(), "max": x.max().item(), "channel_mean": channels.mean(1).tolist()})
+    return out
+
+
 def describe(sample, decode, image_token_id: int | tuple[int, ...]) -> dict:
     labels_sup = [sample["input_ids"][p].item() for p in supervised_positions(sample)]
     return {
@@ -64,6 +80,10 @@ def describe(sample, decode, image_token_id: int | tuple[int, ...]) -> dict:
         "image_grid_thw": sample["image_grid_thw"].tolist(),  # every image and video, in order
         "video_grid_thw": sample.get("video_grid_thw", sample["image_grid_thw"][:0]).tolist(),
         "input_ids": sample["input_ids"].tolist(),  # to diff against your own processor's ids
+        # loss_mask[t] weights the prediction of input_ids[t + 1] (labels are the inputs shifted left)
+        "loss_mask": [int(v) for v in sample["loss_mask"].tolist()],
+        "position_ids": sample["position_ids"].tolist(),  # [3][num_tokens] for MRoPE: (t, h, w)
+        "pixel_stats": pixel_stats(sample),
     }
 
 

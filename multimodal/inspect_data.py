@@ -6,7 +6,7 @@ Prints the first N usable samples of ``data.split`` in dataset order (``--start`
 elsewhere): the conversation with the supervised tokens in [[double brackets]] (or colour on a
 terminal), runs of image tokens collapsed, token counts and image grids. ``--json`` prints one
 object per sample with ``index, num_tokens, num_supervised, supervised_text, num_image_tokens,
-image_grid_thw, video_grid_thw, input_ids``. Supervised tokens are the *labels* whose loss mask is 1 (labels are the inputs
+image_grid_thw, video_grid_thw, input_ids, loss_mask, position_ids, pixel_stats`` (data/inspect_rows.py). Supervised tokens are the *labels* whose loss mask is 1 (labels are the inputs
 shifted left by one), so this shows exactly what the loss sees.
 
 The rendering is data/inspect_rows.py's; this module adds the recipe (load, resolve, validate).

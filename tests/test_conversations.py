@@ -242,6 +242,58 @@ def test_inspect_json_prints_ids_and_grids(tmp_path, tok_dir, tok, capsys):
         assert len(r["input_ids"]) == r["num_tokens"] and tok.decode(r["input_ids"]).startswith("<|im_start|>user\n")
 
 
+def test_inspect_json_gives_what_transformers_gives(tmp_path, tok_dir, tok, capsys):
+    """--json's ids, loss mask, MRoPE ids and pixel statistics against transformers'
+    Qwen3VLProcessor (Qwen's template) and Qwen3.5's get_rope_index on the same records."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    from multimodal.config import load_config, resolve_sources
+    from multimodal.inspect_data import main as inspect_main
+    from test_video import TEMPLATE, hf_rope_index, hf_video_processor
+
+    (tmp_path / "images").mkdir()
+    for k, (h, w) in enumerate([(48, 80), (120, 40)]):
+        (tmp_path / "images" / f"{k}.png").write_bytes(_png(k, h, w))
+    records = [{"messages": [
+        {"role": "user", "content": [{"type": "image", "image": "images/0.png"}, {"type": "text", "text": "Total?"}]},
+        {"role": "assistant", "content": "48,000"},
+        {"role": "user", "content": [{"type": "image", "image": "images/1.png"}, {"type": "text", "text": "And this?"}]},
+        {"role": "assistant", "content": "9,500 in cash."}]}]
+    args = ["data.name=conversations", f"data.path={_jsonl(tmp_path / 'train.jsonl', records)}",
+            f"data.tokenizer={tok_dir}", "data.max_pixels=16384"]
+    assert inspect_main(["--config", "configs/qwen35_vl_proxy_cord.yaml", "--num", "1", "--json", *args]) == 0
+    row = json.loads(capsys.readouterr().out)
+    d = resolve_sources(load_config("configs/qwen35_vl_proxy_cord.yaml", args)).data
+    images = Qwen2VLImageProcessorPil(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=list(d.image_mean),
+                                      image_std=list(d.image_std), min_pixels=d.min_pixels, max_pixels=d.max_pixels)
+    processor = Qwen3VLProcessor(image_processor=images, tokenizer=tok, video_processor=hf_video_processor(4096),
+                                 chat_template=TEMPLATE)
+    from PIL import Image
+
+    pils = [Image.open(tmp_path / "images" / f"{k}.png").convert("RGB") for k in range(2)]
+    ref = processor(text=[processor.apply_chat_template(records[0]["messages"], tokenize=False)], images=pils,
+                    return_tensors="pt")
+    assert row["input_ids"] == ref["input_ids"][0].tolist()
+    assert row["position_ids"] == hf_rope_index(ref, 2).tolist()
+    # the loss mask is shifted: position t trains the prediction of token t + 1
+    sup = [row["input_ids"][t + 1] for t, m in enumerate(row["loss_mask"]) if m]
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert sup == tok.encode("48,000", add_special_tokens=False) + [im_end] + \
+        tok.encode("9,500 in cash.", add_special_tokens=False) + [im_end]
+    assert len(row["loss_mask"]) == len(row["input_ids"]) and set(row["loss_mask"]) == {0, 1}
+    start = 0
+    for stats, grid in zip(row["pixel_stats"], ref["image_grid_thw"].tolist(), strict=True):
+        n = grid[0] * grid[1] * grid[2]
+        x = ref["pixel_values"][start:start + n].double()
+        start += n
+        assert stats["grid_thw"] == grid and stats["patches"] == n
+        for key, want in (("mean", x.mean()), ("std", x.std()), ("min", x.min()), ("max", x.max())):
+            assert stats[key] == pytest.approx(want.item(), abs=1e-6), key
+        rgb = x.reshape(n, 3, -1).transpose(0, 1).reshape(3, -1).mean(1)  # rows are (channel, t, y, x)
+        assert stats["channel_mean"] == pytest.approx(rgb.tolist(), abs=1e-6)
+
+
 @pytest.mark.slow
 def test_proxy_trains_on_synthetic_conversations(tmp_path, tok_dir):
     """pretrain_multimodal.py with data.name=conversations: three steps, finite loss."""
