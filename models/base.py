@@ -33,7 +33,7 @@ def scatter_image_features(emb: torch.Tensor, is_image: torch.Tensor, features: 
 
 # The parts ``model.freeze`` names (multimodal/freeze.py); ``MultimodalModel.parameter_group``
 # says which one a parameter belongs to.
-PARAMETER_GROUPS = ("vision", "merger", "language", "embedding", "lm_head")
+PARAMETER_GROUPS = ("vision", "merger", "language", "embedding", "lm_head", "mtp")
 
 
 class MultimodalModel(MegatronModule):
@@ -56,6 +56,8 @@ class MultimodalModel(MegatronModule):
             return "embedding"
         if name.startswith("language_model.output_layer."):
             return "lm_head"
+        if name.startswith("language_model.mtp."):
+            return "mtp"
         return "language"
 
     def set_input_tensor(self, input_tensor) -> None:
@@ -74,28 +76,56 @@ class MultimodalModel(MegatronModule):
         all images. By default every CP rank encodes every image of the micro-batch; with
         ``vision_gather`` (index, width, group, rank; ``parallel.cp_split_vision``) it encodes only
         its own images and the features of all images are all-gathered."""
+        emb, _ = self._embed(tokens, pixel_values, image_grid_thw, image_feature_index, vision_gather)
+        return emb
+
+    def _embed(self, tokens, pixel_values, image_grid_thw, image_feature_index=None, vision_gather=None):
+        """``embed`` and the vision features of every image of the micro-batch (None without
+        images), which the MTP embeddings reuse."""
         emb = self.language_model.embedding(input_ids=tokens, position_ids=None)  # [S, B, H]
+        features = None
         if vision_gather is not None and self.vision_model is not None:
             # images split over CP ranks: every rank joins the all-gather, with or without images
             own = (self.vision_model(pixel_values, image_grid_thw).to(emb.dtype) if pixel_values.numel()
                    else emb.new_zeros(0, emb.shape[-1]))
             features = VisionGather.apply(own, *vision_gather)
-            features = features.index_select(0, image_feature_index)
-            emb = scatter_image_features(emb, vision_token_mask(tokens, self.image_token_id), features)
+            local = features.index_select(0, image_feature_index)
+            emb = scatter_image_features(emb, vision_token_mask(tokens, self.image_token_id), local)
         elif pixel_values is not None and pixel_values.numel() and self.vision_model is not None:
             features = self.vision_model(pixel_values, image_grid_thw).to(emb.dtype)
-            if image_feature_index is not None:
-                features = features.index_select(0, image_feature_index)
-            emb = scatter_image_features(emb, vision_token_mask(tokens, self.image_token_id), features)
+            local = features if image_feature_index is None else features.index_select(0, image_feature_index)
+            emb = scatter_image_features(emb, vision_token_mask(tokens, self.image_token_id), local)
         if self.config.sequence_parallel:
             emb = tensor_parallel.scatter_to_sequence_parallel_region(emb)
-        return emb.contiguous()
+        return emb.contiguous(), features
+
+    def _mtp_embeds(self, mtp: dict, features) -> list[torch.Tensor]:
+        """Per MTP depth, the input embeddings [S, B, H] of the shifted tokens with the image
+        features at image tokens, as vLLM's Qwen3_5MTP.embed_input_ids merges them."""
+        out = []
+        for k in range(mtp["tokens"].shape[0]):
+            tokens = mtp["tokens"][k]
+            emb = self.language_model.embedding(input_ids=tokens, position_ids=None)
+            if features is not None and features.shape[0]:
+                # the number of image tokens at this depth is the index's length, known on the host
+                emb = scatter_image_features(emb, vision_token_mask(tokens, self.image_token_id),
+                                             features.index_select(0, mtp["feature_index"][k]))
+            if self.config.sequence_parallel:
+                emb = tensor_parallel.scatter_to_sequence_parallel_region(emb)
+            out.append(emb.contiguous())
+        return out
 
     def forward(self, tokens, position_ids, labels=None, pixel_values=None, image_grid_thw=None,
-                packed_seq_params=None, image_feature_index=None, padding_mask=None, vision_gather=None):
-        """padding_mask [B, S] (True on padding) keeps padding out of MoE routing and its aux losses."""
-        decoder_input = (self.embed(tokens, pixel_values, image_grid_thw, image_feature_index, vision_gather)
-                         if self.pre_process else None)
+                packed_seq_params=None, image_feature_index=None, padding_mask=None, vision_gather=None, mtp=None):
+        """padding_mask [B, S] (True on padding) keeps padding out of MoE routing and its aux losses.
+        ``mtp``: forward_step's shifted MTP inputs (models/common/mtp.py); the language model adds
+        their loss in ``mtp["out"]``."""
+        decoder_input = features = None
+        if self.pre_process:
+            decoder_input, features = self._embed(tokens, pixel_values, image_grid_thw, image_feature_index,
+                                                  vision_gather)
+        if mtp is not None:  # read once by the language model's post-process, then dropped
+            self.language_model.mtp_batch = {**mtp, "embeds": self._mtp_embeds(mtp, features)}
         return self.language_model(
             input_ids=tokens,
             position_ids=position_ids,

@@ -14,6 +14,8 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from core.transfer import to_device_async
+from core.vision_tokens import vision_token_mask
+from models.common.mtp import shift_batch
 from models.common.packed_seq import CPPackedSeqParams, PackedRowParams
 from multimodal.context_parallel import partition_batch
 from multimodal.loss import masked_token_loss
@@ -106,6 +108,10 @@ class ForwardStep:
         batch = next(data_iterator)
         stats = {k: batch[k] for k in ("sample_lengths", "num_real_tokens", "image_grid_thw")}
         loss_tokens = int((batch["loss_mask"] != 0).sum())  # of the whole micro-batch, before any CP split
+        lm = getattr(_unwrap(model), "language_model", None)
+        mtp_depth = len(lm.mtp.layers) if getattr(lm, "mtp", None) is not None else 0
+        # shifted on the whole micro-batch, before the CP split: no shift ever crosses a chunk
+        shifted = shift_batch(batch, mtp_depth, self.image_token_id) if mtp_depth else None
         if self.cp_size > 1:  # every CP rank read the same micro-batch; keep this rank's chunks
             batch = partition_batch(batch, self.cp_size, self.cp_rank, self.image_token_id,
                                     split_vision=self.cp_split_vision, merge=self.merge)
@@ -117,7 +123,8 @@ class ForwardStep:
         if sparse:
             params.loss_token_index = to_device_async(loss_token_index(batch["loss_mask"]), self.device)
         # tokens the LM head runs on (for FLOPs): the loss tokens, or None for every real token
-        self.batches.append({**stats, "lm_head_tokens": loss_tokens if sparse else None})
+        self.batches.append({**stats, "lm_head_tokens": loss_tokens if sparse else None, "mtp_depth": mtp_depth})
+        mtp = self._mtp_inputs(shifted, batch, loss_tokens, lm) if shifted is not None else None
         run = model.build_schedule_plan if return_schedule_plan else model
         output = run(
             b["tokens"],
@@ -129,5 +136,23 @@ class ForwardStep:
             image_feature_index=b.get("image_feature_index"),
             padding_mask=b.get("padding_mask"),
             vision_gather=vision_gather(b, self.cp_group),
+            **({"mtp": mtp} if mtp is not None else {}),
         )
-        return output, partial(masked_token_loss, loss_mask=b["loss_mask"])
+        return output, partial(masked_token_loss, loss_mask=b["loss_mask"],
+                               mtp_out=mtp["out"] if mtp is not None else None)
+
+    def _mtp_inputs(self, shifted: dict, batch: dict, loss_tokens: int, lm) -> dict:
+        """This rank's share of the shifted MTP tensors on the device, the vision-feature rows of
+        their image tokens, and the per-depth (LM tokens / MTP tokens) of the micro-batch (host
+        numbers, the same on every CP rank; models/common/mtp.py ``mtp_losses``)."""
+        ratios = [loss_tokens / max(int((m != 0).sum()), 1) for m in shifted["mtp_loss_mask"]]
+        if self.cp_size > 1:
+            share = batch["cp_gather_order"].numel() // self.cp_size
+            local = batch["cp_gather_order"][self.cp_rank * share:(self.cp_rank + 1) * share]
+            shifted = {k: v[:, :, local] for k, v in shifted.items()}
+        is_image = [vision_token_mask(t, self.image_token_id) for t in shifted["mtp_tokens"]]
+        feature_index = [o[m] for o, m in zip(shifted["mtp_ordinal"], is_image)]
+        dev = {k: to_device_async(shifted[k], self.device) for k in ("mtp_tokens", "mtp_labels", "mtp_loss_mask")}
+        return {"tokens": dev["mtp_tokens"], "labels": dev["mtp_labels"], "loss_mask": dev["mtp_loss_mask"],
+                "feature_index": [to_device_async(i, self.device) for i in feature_index],
+                "ratios": ratios, "scale": lm.mtp_loss_scale, "out": {}}

@@ -64,6 +64,11 @@ class ModelConfig(CommonModelConfig):
     # then the PyTorch path.
     fused_mrope: bool | None = None
     gdn_pre_impl: str = "auto"  # auto | fused | unfused
+    # Multi-token prediction (models/common/mtp.py): the MTP depths trained beside the LM loss
+    # (0 = none; the released checkpoints have 1, HF mtp_num_hidden_layers), and the weight of
+    # their mean loss added to the LM loss
+    mtp_num_layers: int = 0
+    mtp_loss_scale: float = 0.1
     vision: VisionConfig = field(default_factory=VisionConfig)
 
     def is_full_attention(self, layer: int) -> bool:

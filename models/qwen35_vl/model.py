@@ -14,11 +14,12 @@ from models.base import MultimodalModel
 from models.common import norms, swiglu
 from models.common.language_model import FusedLossGPTModel
 from models.common.moe_aux_loss import use_group_mean_token_count
+from models.common.mtp import MTPBlock
 from models.common.moe_dispatch import GroupedDispatcher
 from models.common.moe_nvtx import add_moe_nvtx_ranges
 from models.qwen35_vl import attention as attn_mod
 from models.qwen35_vl import gdn as gdn_mod
-from models.qwen35_vl.specs import decoder_block_spec
+from models.qwen35_vl.specs import decoder_block_spec, mtp_layer_spec
 from models.qwen35_vl.vision import VisionEncoder
 
 
@@ -31,8 +32,11 @@ class Qwen35LanguageModel(FusedLossGPTModel):
     # set by build() from model.fused_mrope: attention then gets the position ids, not angles
     fused_mrope: bool = False
 
-    def __init__(self, *args, rot_dim: int, rope_theta: float, mrope_section: list[int], interleaved: bool, **kw):
+    def __init__(self, *args, rot_dim: int, rope_theta: float, mrope_section: list[int], interleaved: bool,
+                 mtp_num_layers: int = 0, mtp_layer_spec=None, **kw):
         super().__init__(*args, position_embedding_type="none", **kw)
+        if mtp_num_layers and self.post_process:  # with the LM head, whose weight it shares
+            self.mtp = MTPBlock(self.config, mtp_layer_spec, mtp_num_layers)
         self.register_buffer("mrope_inv_freq", inverse_frequencies(rot_dim, rope_theta), persistent=False)
         self.register_buffer(
             "mrope_axis", axis_of_frequency(rot_dim // 2, mrope_section, interleaved), persistent=False
@@ -172,14 +176,20 @@ def build(cfg, parallel, params_dtype: torch.dtype, pre_process: bool = True, po
         rope_theta=m.rope_theta,
         mrope_section=list(m.mrope_section),
         interleaved=m.mrope_interleaved,
+        mtp_num_layers=m.mtp_num_layers,
+        mtp_layer_spec=mtp_layer_spec(m),
     )
+    language.mtp_loss_scale = m.mtp_loss_scale
     language.fused_mrope = gpu if m.fused_mrope is None else m.fused_mrope
     language.fused_linear_ce = m.fused_linear_ce
     vision = None
     if pre_process:
         vision = VisionEncoder(m.vision, out_hidden=m.hidden_size, attn_backend=m.attention_backend)
         vision.fused_rotary = language.fused_mrope
-        vision.to(device=torch.cuda.current_device() if torch.cuda.is_available() else "cpu", dtype=params_dtype)
+        # a model built on the meta device (streaming HF conversion) stays there: shapes only
+        device = "meta" if next(vision.parameters()).is_meta else (
+            torch.cuda.current_device() if torch.cuda.is_available() else "cpu")
+        vision.to(device=device, dtype=params_dtype)
     add_moe_nvtx_ranges(language)  # GPU only: shared experts / dispatch / experts / combine in a profile
     for module in language.modules():
         if isinstance(module, SharedExpertMLP):

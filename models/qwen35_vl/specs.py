@@ -101,3 +101,9 @@ def decoder_block_spec(m, config=None, pp_rank: int | None = None) -> Transforme
     kinds = ["attention" if m.is_full_attention(i) else "gdn" for i in layers]
     specs = [layer_spec(k, m.num_experts or None) for k in kinds]
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=RMSNorm)
+
+
+def mtp_layer_spec(m) -> ModuleSpec:
+    """The MTP head's decoder layer: a gated full-attention layer with the decoder's MLP or MoE
+    (HF ``mtp.layers.0``; vLLM builds it as Qwen3_5DecoderLayer(layer_type="full_attention"))."""
+    return layer_spec("attention", m.num_experts or None)

@@ -42,5 +42,12 @@ def validate(m: ModelConfig, p) -> None:
         require(m.moe_shared_expert_intermediate_size % p.tp == 0,
                 f"model.moe_shared_expert_intermediate_size ({m.moe_shared_expert_intermediate_size}) "
                 f"must be divisible by parallel.tp ({p.tp})")
+    require(m.mtp_num_layers >= 0, f"model.mtp_num_layers must be >= 0, got {m.mtp_num_layers}")
+    require(m.mtp_loss_scale >= 0, f"model.mtp_loss_scale must be >= 0, got {m.mtp_loss_scale}")
+    if m.mtp_num_layers:
+        require(p.pp == 1, f"model.mtp_num_layers={m.mtp_num_layers} runs on one pipeline stage only: set "
+                "parallel.pp=1 (or model.mtp_num_layers=0 to train without the MTP head)")
+        require(not getattr(p, "moe_a2a_overlap", False),
+                "model.mtp_num_layers > 0 does not run under parallel.moe_a2a_overlap=true: set one of them off")
     v = m.vision
     require(v.hidden_size % v.num_heads == 0, "model.vision.hidden_size must be divisible by model.vision.num_heads")

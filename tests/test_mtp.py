@@ -1,0 +1,146 @@
+"""Multi-token prediction (model.mtp_num_layers): the shift within samples, the parameter names the
+HF mapping uses, forward and loss against a reference written from vLLM's Qwen3_5MTP with
+transformers' Qwen3.5 modules, packed vs unpacked, freezing, and a short proxy run."""
+
+from __future__ import annotations
+
+import torch
+
+from helpers.proxy_fixtures import ROW, proxy_model
+
+from data.collate import pack_thd, pad_bshd
+from data.mock import MockDataset
+from models.common.mtp import shift_batch
+from multimodal.forward_step import ForwardStep
+
+
+def _samples(cfg, idx=(0, 1)):
+    ds = MockDataset(cfg.model, cfg.data, 256)
+    return [ds[i] for i in idx]
+
+
+def _packed(cfg, samples, row=ROW, pad_multiple=1):
+    m = cfg.model
+    return pack_thd(samples, row, m.pad_token_id, m.image_token_id, m.vision.spatial_merge_size, pad_multiple)
+
+
+def _run(cfg, model, batch, backward=False):
+    """(LM loss sum, report) of one micro-batch through the trainer's ForwardStep and loss."""
+    step = ForwardStep(torch.device("cpu"), torch.float32, image_token_id=cfg.model.vision_token_ids)
+    out, loss_fn = step(iter([batch]), model)
+    loss, _, report = loss_fn(out)
+    if backward:
+        loss.backward()
+    return loss, report
+
+
+def test_shift_stays_inside_each_sample():
+    cu = torch.tensor([0, 4, 7, 8], dtype=torch.int32)
+    tokens = torch.arange(10, 18)[None]
+    batch = {"tokens": tokens, "labels": tokens + 100, "loss_mask": torch.ones(1, 8), "cu_seqlens_padded": cu}
+    s = shift_batch(batch, 2, image_token_id=99)
+    assert s["mtp_tokens"][0, 0].tolist() == [11, 12, 13, 0, 15, 16, 0, 0]
+    assert s["mtp_loss_mask"][0, 0].tolist() == [1, 1, 1, 0, 1, 1, 0, 0]
+    assert s["mtp_labels"][1, 0].tolist() == [112, 113, 0, 0, 116, 0, 0, 0]
+    # BSHD: every row is a sample of its own
+    s = shift_batch({"tokens": tokens.view(2, 4), "labels": tokens.view(2, 4), "loss_mask": torch.ones(2, 4)}, 1, 99)
+    assert s["mtp_tokens"][0].tolist() == [[11, 12, 13, 0], [15, 16, 17, 0]]
+
+
+def test_parameter_names_are_megatrons_mtp_names(mcore):
+    cfg, model = proxy_model(["model.mtp_num_layers=1"])
+    names = {n for n in model.state_dict() if ".mtp." in n and "_extra_state" not in n}
+    layer = {n.split("decoder.layers.3.", 1)[1] for n in model.state_dict()
+             if "decoder.layers.3." in n and "_extra_state" not in n}
+    p = "language_model.mtp.layers.0."
+    assert names == {p + "enorm.weight", p + "hnorm.weight", p + "eh_proj.weight", p + "final_layernorm.weight"} | {
+        p + "transformer_layer." + n for n in layer}
+    h = cfg.model.hidden_size
+    assert model.state_dict()[p + "eh_proj.weight"].shape == (h, 2 * h)
+    assert {model.parameter_group(n) for n in names} == {"mtp"}
+
+
+def _randomize_mtp_norms(model):
+    """Non-zero (zero-centred) norm weights, so a 1+w vs w mix-up cannot hide."""
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".mtp." in n and p.dim() == 1:
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+
+
+def _hf_mtp_reference(cfg, model):
+    """vLLM's Qwen3_5MultiTokenPredictor written with transformers' Qwen3.5 modules (RMSNorm,
+    decoder layer, MRoPE), loaded from our MTP weights; -> callable(embeds, hidden, positions)."""
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+    from models.qwen35_vl.hf import _attn_qkv_to_hf, hf_config_from_ours
+
+    m = cfg.model
+    text = Qwen3_5TextConfig(**hf_config_from_ours(m)["text_config"])
+    text._attn_implementation = "sdpa"  # no mask given: causal
+    sd = {n.split("mtp.layers.0.", 1)[1]: t for n, t in model.state_dict().items() if ".mtp.layers.0." in n}
+    norms = {k: hf.Qwen3_5RMSNorm(m.hidden_size, eps=m.rms_norm_eps) for k in ("enorm", "hnorm", "final_layernorm")}
+    for k, norm in norms.items():
+        norm.weight.data.copy_(sd[f"{k}.weight"])
+    layer = hf.Qwen3_5DecoderLayer(text, layer_idx=m.full_attention_interval - 1)  # a full-attention layer
+    t = "transformer_layer."
+    q, k, v = _attn_qkv_to_hf(sd[t + "self_attention.linear_qkv.weight"], m)
+    gate, up = sd[t + "mlp.linear_fc1.weight"].chunk(2)
+    layer.load_state_dict({
+        "input_layernorm.weight": sd[t + "input_layernorm.weight"],
+        "post_attention_layernorm.weight": sd[t + "pre_mlp_layernorm.weight"],
+        "self_attn.q_proj.weight": q, "self_attn.k_proj.weight": k, "self_attn.v_proj.weight": v,
+        "self_attn.o_proj.weight": sd[t + "self_attention.linear_proj.weight"],
+        "self_attn.q_norm.weight": sd[t + "self_attention.q_layernorm.weight"],
+        "self_attn.k_norm.weight": sd[t + "self_attention.k_layernorm.weight"],
+        "mlp.gate_proj.weight": gate, "mlp.up_proj.weight": up,
+        "mlp.down_proj.weight": sd[t + "mlp.linear_fc2.weight"],
+    })
+    rotary = hf.Qwen3_5TextRotaryEmbedding(text)
+    fc = sd["eh_proj.weight"]
+
+    def run(embeds, hidden, positions):  # [n, H], [n, H], [3, n] -> MTP hidden [n, H]
+        x = torch.cat([norms["enorm"](embeds), norms["hnorm"](hidden)], -1) @ fc.T  # embedding first
+        cos_sin = rotary(x[None], positions[:, None])
+        return norms["final_layernorm"](layer(x[None], position_embeddings=cos_sin)[0])
+
+    return run
+
+
+def _capture(model):
+    """Hooks keeping the decoder's input (embeddings with image features) and output (after the
+    final norm), both [S, B, H]."""
+    seen = {}
+    dec = model.language_model.decoder
+    dec.register_forward_pre_hook(lambda mod, a, kw: seen.__setitem__("emb", kw["hidden_states"].detach()),
+                                  with_kwargs=True)
+    dec.register_forward_hook(lambda mod, a, out: seen.__setitem__("h0", out.detach()))
+    return seen
+
+
+def test_forward_and_loss_match_a_reference_from_vllm(mcore):
+    cfg, model = proxy_model(["model.mtp_num_layers=1"])
+    _randomize_mtp_norms(model)
+    seen = _capture(model)
+    batch = _packed(cfg, _samples(cfg, (0, 1, 2)))
+    loss, report = _run(cfg, model, batch)
+    reference = _hf_mtp_reference(cfg, model)
+    emb = model.language_model.embedding.word_embeddings.weight  # tied: the LM head too
+    cu = batch["cu_seqlens"].tolist()
+    total, count = 0.0, 0.0
+    with torch.no_grad():
+        for a, b in zip(cu[:-2], cu[1:-1]):  # every sample (the last segment is the row's tail padding)
+            # depth 1 at t: embedding of token t+1, hidden h_t, position of t; predicts token t+2
+            h = reference(seen["emb"][a + 1:b, 0], seen["h0"][a:b - 1, 0], batch["position_ids"][:, 0, a:b - 1])
+            ce = torch.nn.functional.cross_entropy(h @ emb.T, batch["labels"][0, a + 1:b].clamp(min=0),
+                                                   reduction="none")
+            mask = batch["loss_mask"][0, a + 1:b]
+            total, count = total + (ce * mask).sum(), count + mask.sum()
+    assert count > 0 and int(report["mtp loss"][1]) == int(count)
+    torch.testing.assert_close(report["mtp loss"][0], total, rtol=1e-5, atol=1e-5)
+    # the LM loss sum gains scale x (LM tokens / MTP tokens) x the MTP sum (megatron's per-token form)
+    lm = report["lm loss"]
+    torch.testing.assert_close(loss.detach() - lm[0], cfg.model.mtp_loss_scale * lm[1] / count * total,
+                               rtol=1e-5, atol=1e-5)
