@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
             held = console.summary()
             if held and rank == 0:
                 logging.getLogger("pretrain_multimodal").info(held)
+    except KeyboardInterrupt:  # before the step loop (it reports its own step)
+        print("stopped: interrupted (SIGINT) before training started; nothing was trained", file=sys.stderr)
+        return 130
     except TrainingError as e:
         # a refused recipe (and anything a dry run finds) happened before any run: its one line is
         # the whole story, and no run directory should appear for it
@@ -93,7 +96,7 @@ def report(e: TrainingError, rank: int, log_dir: str | None, verbose: bool) -> i
     if verbose:
         print(trace, file=sys.stderr, end="")
     where = f" (traceback: {saved})" if saved is not None and not verbose else ""
-    print(f"error: {one_line(e)}{where}", file=sys.stderr)
+    print(f"{e.label}: {one_line(e)}{where}", file=sys.stderr)
     return e.exit_code
 
 

@@ -20,6 +20,7 @@ class TrainingError(Exception):
     """A fault explained in one line (the message names the file, field or step and the fix)."""
 
     exit_code = USER_FIXABLE
+    label = "error"  # the console line's first word
 
 
 class ConfigError(TrainingError, ValueError):
@@ -44,6 +45,17 @@ class DataError(TrainingError, RuntimeError):
 
 class NonFiniteError(TrainingError):
     """The loss or the gradient norm stayed non-finite (``train.on_nonfinite``)."""
+
+
+class Stopped(TrainingError):
+    """SIGINT or SIGTERM: the run stopped between steps; the message says where and how to go on.
+    Exit code 128 + the signal's number, as a shell reports a process the signal ended."""
+
+    label = "stopped"
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
 
 
 def one_line(text: str) -> str:

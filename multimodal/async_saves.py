@@ -6,12 +6,15 @@ checkpoint (manifest, ``trainer_state.json``, the rename, ``latest``, pruning: `
 multimodal/checkpointing.py) runs only once every rank's files are written, so ``latest`` never
 names a checkpoint still being written, and a kill -9 at any moment leaves the previous one.
 
-- At most one save in flight: a new save first waits for the previous one.
+- At most one save in flight: a save due while the previous one is still being written is
+  deferred (one warning) to the first step after that write is done; the end of the run waits.
 - ``poll()`` once per step finishes a save whose writes are done (megatron's AsyncCallsQueue: a
   small all-reduce of "done" flags, read on the host: one sync per step, only while a save is
   in flight).
 - The end of training, an error and SIGTERM (Slurm's pre-emption signal) wait for the save in
-  flight (``wait``); a SIGTERM then ends the run with exit code 143.
+  flight (``wait``); a SIGTERM then ends the run with exit code 143 (multimodal/platform.py).
+- The writer process writes each rank's files with several threads (checkpointing.writer_threads)
+  and logs its rate in GB/s.
 - A full disk in the writer process is reported as on the synchronous path (partial files
   removed, earlier checkpoints intact).
 - The host copies go into page-locked buffers kept from one save to the next (``PinnedStaging``),
@@ -24,7 +27,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import signal
 import threading
 import time
 
@@ -221,8 +223,8 @@ class AsyncSaves:
         FileSystemWriterAsync.preload_tensors = staticmethod(self.staging)
         self.queue = AsyncCallsQueue()
         self.in_flight = None  # (root, tmp, bytes needed) of the save being written
-        self.terminated = False
-        self._previous_handler = None
+        self.submitted_at = 0.0  # time.perf_counter() of the save in flight
+        self.deferred: int | None = None  # the step whose save waits for the one in flight
 
     def reserve_staging(self, model, optimizer) -> None:
         """Page-lock the first save's host buffers in the background (GPU runs; the trainer calls
@@ -239,8 +241,34 @@ class AsyncSaves:
                      "page-locking at most %.1f GiB of it ahead", sum(sizes) / 2**30, cap / 2**30)
         self.staging.reserve(sizes, max_bytes=cap)
 
+    def due(self, it: int, due: bool, final: bool) -> bool:
+        """Whether to save at step ``it``: a due save is deferred while the previous one is still
+        being written (training goes on instead of waiting for the disk), and made at the first
+        step after that write is done. The final save always runs (``submit`` waits)."""
+        if final and (due or self.deferred is not None):
+            self.deferred = None
+            return True
+        if self.in_flight is None:
+            run = due or self.deferred is not None
+            if self.deferred is not None:
+                log.info("checkpoint due at step %d: saved at step %d, once the previous save was written",
+                         self.deferred, it)
+            self.deferred = None
+            return run
+        if due and self.deferred is None:
+            self.deferred = it
+            log.warning("checkpoint due at step %d deferred: the previous save (%s) is still being written "
+                        "(%.1f s so far); it is saved at the first step after that write is done (a larger "
+                        "checkpoint.interval avoids this)", it, self.in_flight[1].name[:-4],
+                        time.perf_counter() - self.submitted_at)
+        return False
+
     def submit(self, request, commit, root, tmp, need) -> None:
-        self.wait()  # at most one save in flight
+        if self.in_flight is not None:  # at most one save in flight
+            t0 = time.perf_counter()
+            self.wait()
+            log.info("checkpoint %s waited %.1f s for the previous save to be written", tmp.name[:-4],
+                     time.perf_counter() - t0)
         request.add_finalize_fn(commit)
         if torch.cuda.is_available():
             self.queue.schedule_async_request(request)
@@ -251,6 +279,7 @@ class AsyncSaves:
             finally:
                 torch.cuda.synchronize = real
         self.in_flight = (root, tmp, need)
+        self.submitted_at = time.perf_counter()
 
     def poll(self) -> None:
         """Finish the save in flight if every rank's writes are done; never blocks."""
@@ -274,17 +303,6 @@ class AsyncSaves:
         if self.queue.get_num_unfinalized_calls() == 0:
             self.in_flight = None
 
-    # ------------------------------------------------------------------ SIGTERM
-
-    def on_sigterm(self) -> None:
-        """SIGTERM only sets a flag: the loop checks it between steps and waits for the save."""
-        def handler(signum, frame):
-            self.terminated = True
-        try:
-            self._previous_handler = signal.signal(signal.SIGTERM, handler)
-        except ValueError:  # not the main thread (tests driving the loop from a thread)
-            self._previous_handler = None
-
     def close(self) -> None:
         from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
@@ -294,5 +312,3 @@ class AsyncSaves:
             FileSystemWriterAsync.preload_tensors = self._megatron_preload
             self.staging.close()
             self.queue.close()
-            if self._previous_handler is not None:
-                signal.signal(signal.SIGTERM, self._previous_handler)

@@ -1,9 +1,10 @@
 """Checks around checkpoint files, each turning a deep library error into one line that names
 the file and what to do:
 
-- ``manifest.json``: every file of a checkpoint and its size, written when the save is complete
-  and checked before a load, so a truncated ``.distcp``, ``.metadata`` or rank file is named
-  (instead of an ``EOFError`` from deep in torch) together with the previous complete checkpoint;
+- ``manifest.json``: every file of a checkpoint, its size and crc32, written when the save is
+  complete and checked before a load, so a truncated or garbled ``.distcp``, ``.metadata`` or
+  rank file is named (instead of an ``EOFError`` from deep in torch, or weights that load and
+  diverge) together with the previous complete checkpoint;
 - ``shape_mismatch``: the model's tensors against the checkpoint's metadata, before megatron's
   load (a 21,000-character ``KeyError`` for another ``num_layers``);
 - ``is_disk_full``: ENOSPC, however deeply torch's distributed checkpoint wrapped it.
@@ -14,6 +15,8 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from core.errors import CheckpointError, one_line
@@ -24,18 +27,101 @@ MAX_LISTED = 10  # differing tensors named in a mismatch message
 
 # ---------------------------------------------------------------- manifest
 
+MANIFEST_FORMAT = "qwen35-vl-train checkpoint manifest 2"  # what marks a checkpoint as written by us
+CHECKSUMS = "checksums"  # per-rank crc32 of the shards each rank wrote (folded into the manifest)
+CHUNK = 16 << 20
+
+
+def file_crc32(path: Path) -> str:
+    """crc32 of a file, read in chunks (zlib releases the GIL: files hash in parallel threads)."""
+    crc = 0
+    with open(path, "rb", buffering=0) as f:
+        while chunk := f.read(CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def crc32_of(paths: list[Path], threads: int = 8) -> dict[Path, str]:
+    if len(paths) <= 1:
+        return {p: file_crc32(p) for p in paths}
+    with ThreadPoolExecutor(max_workers=min(threads, len(paths))) as pool:
+        return dict(zip(paths, pool.map(file_crc32, paths)))
+
+
+def write_rank_checksums(directory: Path, rank: int) -> None:
+    """crc32 of the shard files rank ``rank`` wrote (``__<rank>_*.distcp``), into
+    ``checksums/rank<rank>.json``: run where the files were written (the async writer process),
+    so the manifest need not read every byte again on rank 0 while training waits."""
+    directory = Path(directory)
+    files = sorted(directory.glob(f"__{rank}_*.distcp"))
+    sums = {p.name: {"bytes": p.stat().st_size, "crc32": c} for p, c in crc32_of(files).items()}
+    (directory / CHECKSUMS).mkdir(exist_ok=True)
+    (directory / CHECKSUMS / f"rank{rank:05d}.json").write_text(json.dumps(sums))
+
 
 def write_manifest(directory: Path, skip: tuple[str, ...] = ("trainer_state.json",)) -> None:
-    """Record every file under ``directory`` (relative path -> bytes). ``trainer_state.json`` is
-    written after it and marks the checkpoint complete, so it is not listed."""
-    files = {str(p.relative_to(directory)): p.stat().st_size for p in sorted(directory.rglob("*"))
-             if p.is_file() and p.name not in skip and p.name != MANIFEST}
-    (directory / MANIFEST).write_text(json.dumps(files, indent=0))
+    """Record every file under ``directory``: its bytes and crc32. Checksums the ranks computed
+    where they wrote (``write_rank_checksums``) are taken when the size still matches; every other
+    file is read here. ``trainer_state.json`` is written after it and marks the checkpoint
+    complete, so it is not listed."""
+    directory = Path(directory)
+    known = {}
+    for part in sorted((directory / CHECKSUMS).glob("rank*.json")):
+        try:
+            known.update(json.loads(part.read_text()))
+        except (OSError, ValueError):
+            pass  # read again below
+    files = {str(p.relative_to(directory)): p for p in sorted(directory.rglob("*"))
+             if p.is_file() and p.name not in skip and p.name != MANIFEST and p.parent.name != CHECKSUMS}
+    entries, todo = {}, []
+    for name, p in files.items():
+        size = p.stat().st_size
+        k = known.get(name)
+        if k is not None and k.get("bytes") == size:
+            entries[name] = {"bytes": size, "crc32": k["crc32"]}
+        else:
+            entries[name] = {"bytes": size}
+            todo.append(p)
+    for p, c in crc32_of(todo).items():
+        entries[str(p.relative_to(directory))]["crc32"] = c
+    (directory / MANIFEST).write_text(json.dumps({"format": MANIFEST_FORMAT, "files": entries}, indent=0))
+    if (directory / CHECKSUMS).is_dir():
+        for part in (directory / CHECKSUMS).glob("*"):
+            part.unlink()
+        (directory / CHECKSUMS).rmdir()
 
 
-def manifest_problem(directory: Path) -> str | None:
+def read_manifest(directory: Path) -> dict[str, dict] | None:
+    """name -> {"bytes", "crc32"?} of a checkpoint's manifest (older manifests: sizes only), or
+    None without one. Raises ValueError/OSError for a damaged one."""
+    path = Path(directory) / MANIFEST
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    if isinstance(data, dict) and data.get("format") == MANIFEST_FORMAT:
+        return data["files"]
+    if isinstance(data, dict) and all(isinstance(v, int) for v in data.values()):  # sizes only (ours, older)
+        return {k: {"bytes": v} for k, v in data.items()}
+    raise ValueError("not a manifest of this framework")
+
+
+def untrusted(directory: Path) -> str | None:
+    """Why loading ``directory`` would unpickle bytes this framework did not vouch for (no
+    manifest of ours), or None."""
+    try:
+        files = read_manifest(directory)
+    except (OSError, ValueError):
+        files = None
+    if files is None:
+        return (f"{directory} has no manifest.json of this framework, and torch's checkpoint reader "
+                "unpickles its .metadata (a crafted file can run code)")
+    return None
+
+
+def manifest_problem(directory: Path, verify: bool = True) -> str | None:
     """Why ``directory`` is not a complete checkpoint, naming the file; None when it is (or when
-    it predates manifests and only its trainer_state.json can be checked)."""
+    it predates manifests and only its trainer_state.json can be checked). ``verify``: compare
+    the crc32 of every file the manifest has one for (a file garbled at the same size)."""
     state = directory / "trainer_state.json"
     if not state.is_file():
         return f"{state} is missing (the save did not finish)"
@@ -44,19 +130,26 @@ def manifest_problem(directory: Path) -> str | None:
     except (OSError, ValueError) as e:
         return f"{state} is corrupt ({one_line(e)})"
     path = directory / MANIFEST
-    if not path.is_file():
-        return None
     try:
-        files = json.loads(path.read_text())
+        files = read_manifest(directory)
     except (OSError, ValueError) as e:
         return f"{path} is corrupt ({one_line(e)})"
-    for name, size in files.items():
+    if files is None:
+        return None
+    to_hash = []
+    for name, entry in files.items():
         f = directory / name
         if not f.is_file():
             return f"{f} is missing"
         actual = f.stat().st_size
-        if actual != size:
-            return f"{f} is truncated or damaged ({actual} bytes, {size} when it was written)"
+        if actual != entry["bytes"]:
+            return f"{f} is truncated or damaged ({actual} bytes, {entry['bytes']} when it was written)"
+        if verify and "crc32" in entry:
+            to_hash.append(f)
+    for f, crc in sorted(crc32_of(to_hash).items()):
+        want = files[str(f.relative_to(directory))]["crc32"]
+        if crc != want:
+            return f"{f} is damaged (crc32 {crc}, {want} when it was written)"
     return None
 
 
@@ -77,7 +170,7 @@ def previous_complete(directory: Path) -> Path | None:
         if here is None or it < here:
             candidates.append((it, p))
     for _, p in sorted(candidates, reverse=True):
-        if manifest_problem(p) is None:
+        if manifest_problem(p, verify=False) is None:
             return p
     return None
 

@@ -25,6 +25,8 @@ import logging
 import os
 import random
 import shutil
+import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +37,7 @@ from megatron.core import parallel_state as ps
 
 from models.common.lora import is_adapter_param
 from multimodal import checkpoint_checks as checks
-from core.errors import CheckpointError, DiskFullError, IncompleteCheckpoint, one_line
+from core.errors import CheckpointError, ConfigError, DiskFullError, IncompleteCheckpoint, one_line
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +113,42 @@ def _sharded_state(model, optimizer, is_loading: bool) -> dict:
                                                                          metadata=dict(OPTIMIZER_METADATA))}
 
 
+def writer_threads() -> int:
+    """Files each rank writes in parallel: one writer thread (megatron's default) left a fast disk
+    mostly idle; the node's cores are shared by its ranks."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, min(8, (os.cpu_count() or 1) // local))
+
+
+def _save_strategy():
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=writer_threads())
+
+
+def _with_checksums(request, tmp: Path, rank: int, name: str):
+    """The async write, followed by the crc32 of this rank's files and one line with the write's
+    rate, all in megatron's writer process: nothing of it waits in the training process."""
+    write = request.async_fn
+    if write is None:
+        return request
+
+    def run(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = write(*args, **kwargs)
+        seconds = time.perf_counter() - t0
+        nbytes = sum(p.stat().st_size for p in tmp.glob(f"__{rank}_*.distcp"))
+        t1 = time.perf_counter()
+        checks.write_rank_checksums(tmp, rank)
+        if rank == 0:
+            log.info("checkpoint %s: rank 0 wrote %.2f GB in %.1f s (%.2f GB/s, %d writer threads), crc32 in %.1f s",
+                     name, nbytes / 1e9, seconds, nbytes / 1e9 / max(seconds, 1e-9), writer_threads(),
+                     time.perf_counter() - t1)
+        return out
+
+    return request._replace(async_fn=run)
+
+
 def _write(root: Path, iteration: int, sharded: dict, trainer: dict, meta_files: dict[str, str] | None,
            rank_payload: dict | None = None, keep_last: int = 0, saves=None) -> Path:
     """The atomic protocol every checkpoint uses: write into iter_X.tmp, wait for every rank,
@@ -130,8 +168,12 @@ def _write(root: Path, iteration: int, sharded: dict, trainer: dict, meta_files:
         dist.barrier()
         with writer_errors:
             # "mcore": megatron's own writer process (its default, "nvrx", needs nvidia-resiliency-ext)
-            request = dist_checkpointing.save(sharded, str(tmp), async_sharded_save=saves is not None,
-                                              async_strategy="mcore")
+            request = dist_checkpointing.save(sharded, str(tmp), sharded_strategy=_save_strategy(),
+                                              async_sharded_save=saves is not None, async_strategy="mcore")
+        if saves is None:
+            checks.write_rank_checksums(tmp, rank)
+        else:
+            request = _with_checksums(request, tmp, rank, final.name)
         if rank_payload is not None:  # small: written now, in this process
             (tmp / "rank_state").mkdir(exist_ok=True)
             torch.save(rank_payload, tmp / "rank_state" / f"rank{rank:05d}.pt")
@@ -176,7 +218,7 @@ def _commit(root: Path, tmp: Path, final: Path, trainer: dict, meta_files: dict[
         latest_tmp = root / "latest.tmp"
         latest_tmp.write_text(final.name)
         os.replace(latest_tmp, root / "latest")
-        _prune(root, keep_last)
+        _prune(root, keep_last, final, trainer.get("lineage"))
         log.info("saved checkpoint %s", final)
     dist.barrier()
 
@@ -196,13 +238,14 @@ def _disk_full(root: Path, tmp: Path, need: int) -> DiskFullError:
 
 
 def save(ckpt_dir: str, iteration: int, model, optimizer, scheduler, data_state: dict, keep_last: int = 0,
-         meta_files: dict[str, str] | None = None, saves=None) -> Path:
+         meta_files: dict[str, str] | None = None, saves=None, extra: dict | None = None) -> Path:
     """A training checkpoint. meta_files: small text files written beside the weights
-    (model_config.json, hf_config.json) so export and later tools know the architecture."""
+    (model_config.json, hf_config.json) so export and later tools know the architecture.
+    ``extra``: more trainer-state fields (the run's lineage, the loss / grad-norm history)."""
     # the trainer checks the weights before every save (multimodal/nonfinite.py): pruning keeps
     # the newest checkpoint marked so
     trainer = {"iteration": iteration, "scheduler": scheduler.state_dict(), "world_size": dist.get_world_size(),
-               "finite": True, **_data_parallel_map()}
+               "finite": True, **_data_parallel_map(), **(extra or {})}
     return _write(Path(ckpt_dir), iteration, _sharded_state(model, optimizer, is_loading=False), trainer,
                   meta_files, {"rng": _rng_state(), "data": data_state}, keep_last, saves)
 
@@ -233,17 +276,116 @@ def _rank_file_for(path: Path, trainer: dict) -> tuple[Path | None, bool]:
     return (source if source.is_file() else None), False
 
 
-def _prune(root: Path, keep_last: int) -> None:
-    """Keep the newest ``keep_last`` checkpoints, and always the newest one whose weights were
-    checked finite when it was written (older checkpoints carry no such mark)."""
+def _iteration_of(path: Path) -> int | None:
+    try:
+        return int(path.name[len("iter_"):])
+    except ValueError:
+        return None
+
+
+def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(iteration, path) of every complete checkpoint directory in ``root``, by iteration."""
+    out = []
+    for p in root.glob("iter_*"):
+        it = _iteration_of(p)
+        if it is not None and p.is_dir() and (p / "trainer_state.json").is_file():
+            out.append((it, p))
+    return sorted(out)
+
+
+def _prune(root: Path, keep_last: int, newest: Path | None = None, lineage: list | None = None) -> None:
+    """Keep the newest ``keep_last`` checkpoints of this run's lineage (by iteration number), and
+    always: the one just written, the one ``latest`` names, the newest one whose weights were
+    checked finite and the newest one whose loss and grad norm were normal. Checkpoints of other
+    runs (another lineage, e.g. left by an earlier run with checkpoint.overwrite=true) and those
+    past the one just written (a resume from an earlier checkpoint) are never pruned."""
     if keep_last <= 0:
         return
-    done = sorted(p for p in root.glob("iter_*") if p.is_dir() and not p.name.endswith(".tmp"))
-    finite = [p for p in done if _trainer_state(p).get("finite")]
-    keep = set(done[-keep_last:]) | set(finite[-1:])
-    for old in done:
+    mine = set(lineage) if lineage else {None}  # None: checkpoints written without a lineage
+    top = _iteration_of(newest) if newest is not None else None
+    done = []
+    for it, p in _complete_checkpoints(root):
+        state = _trainer_state(p)
+        if state.get("run_id") in mine and (top is None or it <= top):
+            done.append((p, state))
+    keep = {p for p, _ in done[-keep_last:]}
+    keep |= {p for p, _ in [d for d in done if d[1].get("finite")][-1:]}
+    keep |= {p for p, _ in [d for d in done if d[1].get("normal", True) and d[1].get("finite")][-1:]}
+    if newest is not None:
+        keep.add(newest)
+    marker = root / "latest"
+    if marker.is_file():
+        keep.add(root / marker.read_text().strip())
+    for old, _ in done:
         if old not in keep:
             shutil.rmtree(old)
+
+
+def start_run(ckpt_dir: str | None, load_path: Path | None, overwrite: bool = False) -> dict:
+    """This run's lineage (its id and its ancestors', stored in each checkpoint's trainer state:
+    pruning deletes only checkpoints of the lineage), after checking that ``checkpoint.dir`` holds
+    no other run's checkpoints unless the run resumes from it or ``checkpoint.overwrite=true``."""
+    run_id = uuid.uuid4().hex[:12]
+    ancestors = []
+    if load_path is not None:
+        state = _trainer_state(load_path)
+        ancestors = state.get("lineage") or [state.get("run_id")]
+    if ckpt_dir:
+        root = Path(ckpt_dir)
+        existing = _complete_checkpoints(root) if root.is_dir() else []
+        inside = load_path is not None and Path(load_path).resolve().parent == root.resolve()
+        if existing and not inside:
+            names = f"{len(existing)} checkpoint(s), newest {existing[-1][1].name}"
+            if not overwrite:
+                raise ConfigError(
+                    f"checkpoint.dir={ckpt_dir} already holds another run's checkpoints ({names}) and this run "
+                    "does not resume from them; resume with checkpoint.load=latest, choose another checkpoint.dir, "
+                    "or set checkpoint.overwrite=true to write into it anyway")
+            log.warning("checkpoint.overwrite=true: %s holds another run's checkpoints (%s); this run writes "
+                        "beside them, replaces those with the same step numbers, never prunes the others, and "
+                        "moves 'latest' to its own", ckpt_dir, names)
+    return {"run_id": run_id, "lineage": [*ancestors, run_id]}
+
+
+def check_writable(ckpt_dir: str) -> None:
+    """Refuse, before anything is built, a checkpoint.dir this process cannot create or write."""
+    root = Path(ckpt_dir)
+    probe = root / f".write_probe_{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointError(f"checkpoint.dir={ckpt_dir} is not writable ({type(e).__name__}: {one_line(e)}); "
+                              "point checkpoint.dir at a writable folder, or set checkpoint.dir=null to "
+                              "train without checkpoints") from e
+
+
+def check_free_space(ckpt_dir: str, need: int, what: str) -> None:
+    """Refuse a run whose checkpoint.dir has no room for one checkpoint (``need`` bytes, estimated)."""
+    free = checks.free_bytes(ckpt_dir)
+    if free is not None and free < need:
+        raise DiskFullError(f"checkpoint.dir={ckpt_dir} has {free / 2**20:.1f} MiB free, one checkpoint needs about "
+                            f"{need / 2**20:.1f} MiB ({what}); free space there, point checkpoint.dir elsewhere "
+                            "or set checkpoint.dir=null")
+
+
+def estimate_bytes(model, world_size: int) -> tuple[int, str]:
+    """About the bytes of one training checkpoint of every rank together, from the parameter
+    counts (weights in their dtype; for trainable ones fp32 main copies unless fp32 already, and
+    two fp32 Adam moments), and how it was counted. Ranks of one data-parallel group hold the
+    same weights, so this rank's count is scaled by the model-parallel size."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    state = sum(p.numel() * (8 + (0 if p.dtype == torch.float32 else 4)) for p in model.parameters() if p.requires_grad)
+    model_parallel = world_size // ps.get_data_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    count = sum(p.numel() for p in model.parameters())
+    return (weights + state) * model_parallel, (f"{count / 1e6:.1f}M parameters per rank x {model_parallel} "
+                                                "model-parallel rank(s): weights, fp32 main copies, Adam moments")
+
+
+def trainer_state(path: Path) -> dict:
+    """A checkpoint's trainer_state.json ({} when unreadable)."""
+    return _trainer_state(path)
 
 
 def _trainer_state(path: Path) -> dict:
@@ -366,12 +508,16 @@ def _restore_steps(optimizer) -> None:
                 adam.state[p]["step"] = _step_tensor(step, group, p)
 
 
-def check_loadable(path: Path, model, model_config: dict | None = None) -> dict:
-    """Every file complete and the model's shapes those of the checkpoint; returns trainer_state.
-    Raises CheckpointError naming the file (and the previous complete checkpoint) or the tensors."""
+def check_loadable(path: Path, model, model_config: dict | None = None, trust: bool = True) -> dict:
+    """Every file complete (sizes and crc32) and the model's shapes those of the checkpoint; returns
+    trainer_state. Raises CheckpointError naming the file (and the previous complete checkpoint) or
+    the tensors. ``trust=False``: a checkpoint without this framework's manifest is refused before
+    torch's reader unpickles anything of it."""
     problem = checks.manifest_problem(path)
     if problem is not None:
         raise checks.corrupt(path, problem)
+    if not trust and (why := checks.untrusted(path)) is not None:
+        raise CheckpointError(f"{why}; load it only if you trust where it came from, with checkpoint.trust=true")
     trainer = json.loads((path / "trainer_state.json").read_text())
     try:
         stored = checks.stored_shapes(path)
@@ -389,6 +535,57 @@ def check_loadable(path: Path, model, model_config: dict | None = None) -> dict:
     return trainer
 
 
+SCHEDULE_FIELDS = {"max_lr": "optimizer.lr", "min_lr": "optimizer.min_lr", "lr_warmup_steps": "optimizer.warmup_iters",
+                   "lr_decay_steps": "optimizer.decay_iters / train.iters", "lr_decay_style": "optimizer.lr_decay_style",
+                   "start_wd": "optimizer.weight_decay"}
+GROUP_SCHEDULE_KEYS = ("max_lr", "min_lr", "start_wd", "end_wd")  # per param group, set from the config
+
+
+def _load_schedule(scheduler, saved: dict) -> None:
+    """The step count from the checkpoint, the schedule from this run's config: megatron's own load
+    would keep the checkpoint's warm-up, LR and length in silence (and assert on a difference
+    when told not to)."""
+    changed = [f"{name} {saved[key]} -> {getattr(scheduler, key)}" for key, name in SCHEDULE_FIELDS.items()
+               if key in saved and saved[key] != getattr(scheduler, key)]
+    scheduler.override_opt_param_scheduler, scheduler.use_checkpoint_opt_param_scheduler = True, False
+    megatron_log = logging.getLogger("megatron.core.optimizer_param_scheduler")
+    level = megatron_log.level
+    megatron_log.setLevel(logging.WARNING)  # its one line per field ("overriding ...")
+    try:
+        scheduler.load_state_dict(saved)
+    finally:
+        megatron_log.setLevel(level)
+    if changed:
+        log.info("resuming with another LR schedule: %s; the schedule is rebuilt from this config at step %d "
+                 "(lr now %.3g)", ", ".join(changed), scheduler.num_steps,
+                 scheduler.get_lr(scheduler.optimizer.param_groups[0]))
+
+
+def _current_schedule_in_groups(optimizer, saved) -> None:
+    """Give the checkpoint's param groups this run's max_lr / min_lr / weight decay before the
+    optimizer's load: megatron matches saved groups to current ones by those values too, and a
+    changed optimizer.lr would not be found ("Could not find parameter group with key")."""
+    structural = lambda g: tuple(g.get(k) for k in ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr",
+                                                     "optimizer"))
+    current = {}
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        for g in getattr(inner, "param_groups", []):
+            current.setdefault(structural(g), {k: g[k] for k in GROUP_SCHEDULE_KEYS if k in g})
+    stack = [saved]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, dict):
+            groups = x.get("param_groups")
+            if isinstance(groups, list):
+                for g in groups:
+                    if isinstance(g, dict) and structural(g) in current:
+                        g.update(current[structural(g)])
+            stack.extend(v for k, v in x.items() if k != "param_groups")
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+
+
 def _read(path: Path, what: str, fn):
     """megatron's load, any failure named with the checkpoint and the previous complete one."""
     try:
@@ -399,11 +596,13 @@ def _read(path: Path, what: str, fn):
         raise checks.corrupt(path, f"reading {what} failed ({type(e).__name__}: {one_line(e)[:300]})") from e
 
 
-def load(path: Path, model, optimizer, scheduler, model_config: dict | None = None) -> tuple[int, dict | None]:
+def load(path: Path, model, optimizer, scheduler, model_config: dict | None = None,
+         trust: bool = True) -> tuple[int, dict | None]:
     """Restore model, optimizer, scheduler and this rank's RNG; returns (iteration, data_state).
     A weights-only checkpoint restores the model and starts at iteration 0. ``model_config``: this
-    run's model fields, named in the message when the checkpoint's differ."""
-    trainer = check_loadable(path, model, model_config)
+    run's model fields, named in the message when the checkpoint's differ. The LR schedule is this
+    run's config's (a changed optimizer.lr, warm-up or train.iters is said in one line)."""
+    trainer = check_loadable(path, model, model_config, trust)
     if trainer.get("weights_only"):
         _read(path, "the weights", lambda: load_weights(path, model))
         log.info("loaded weights from %s (weights-only checkpoint: optimizer and step start fresh)", path)
@@ -412,10 +611,11 @@ def load(path: Path, model, optimizer, scheduler, model_config: dict | None = No
     state = _read(path, "the model and optimizer tensors",
                   lambda: dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(path)))
     model.load_state_dict(state["model"])
+    _current_schedule_in_groups(optimizer, state["optimizer"])
     with torch.no_grad():  # the distributed optimizer copies into fp32 shards that are views of parameters
         optimizer.load_state_dict(state["optimizer"])
     _restore_steps(optimizer)
-    scheduler.load_state_dict(trainer["scheduler"])
+    _load_schedule(scheduler, trainer["scheduler"])
     rank_file, same_layout = _rank_file_for(path, trainer)
     data_state = None
     if rank_file is not None:

@@ -180,6 +180,12 @@ class CheckpointConfig:
     # write checkpoints in a background process while training goes on (multimodal/async_saves.py);
     # null: on for GPU runs, off on the CPU
     async_save: bool | None = None
+    # write into a checkpoint.dir that holds another run's checkpoints (refused otherwise, unless
+    # the run resumes from them): same-numbered ones are replaced, the others kept, never pruned
+    overwrite: bool = False
+    # load a checkpoint without this framework's manifest.json (torch's reader unpickles its
+    # .metadata, which can run code): only for files you trust
+    trust: bool = False
 
 
 @dataclass
@@ -417,6 +423,8 @@ def validate(cfg: Config, world_size: int = 1) -> None:
                  f"data.image_root={d.image_root!r} is not a folder (null: the data file's folder)")
     if d.name == "cord_v2":
         _require(bool(d.path), "data.name=cord_v2 needs data.path (the CORD-v2 folder of parquet files)")
+        _require(Path(d.path).exists(), f"data.path={d.path!r} does not exist (data.name=cord_v2 reads a folder of "
+                 "parquet files, e.g. scripts/make_synthetic_cord.py's output); point data.path at it")
         _require(bool(d.tokenizer), "data.name=cord_v2 needs data.tokenizer (a tokenizer directory)")
     validate_eval(t, d)
     _require(d.target_format in ("json", "donut"), f"data.target_format must be json|donut, got {d.target_format!r}")

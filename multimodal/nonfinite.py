@@ -19,6 +19,11 @@ How, with no host sync per step:
   ``train.on_nonfinite`` with one line naming the step, the numbers, the lr and the last good
   checkpoint.
 - a checkpoint is written only from finite weights (``weights_finite``, one read per save).
+- "last good checkpoint" is the newest one whose logged losses and grad norms were normal: each
+  checkpoint keeps the (step, loss, grad norm) of its last log rows; a checkpoint is normal when
+  those since the previous one are finite, no grad norm is above ``SPIKE`` times the median of
+  the earlier normal ones and no loss above ``LOSS_RISE`` times theirs (a run that diverges
+  slowly, under a too-short warm-up, has finite but already exploding numbers before the NaN).
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ from core.errors import NonFiniteError
 log = logging.getLogger(__name__)
 
 COUNTERS = 5  # skipped total, in a row, first step of the run of skips, its grad norm, its loss
+SPIKE = 10.0  # a grad norm this many times the median of the normal ones so far is not normal
+LOSS_RISE = 2.0  # nor a loss this many times theirs
+HISTORY = 32  # log rows kept in each checkpoint's trainer state
 
 
 class NonFiniteGuard:
@@ -47,7 +55,9 @@ class NonFiniteGuard:
         self.step = torch.zeros((), dtype=torch.float64, device=device)  # filled, never copied from the host
         self.read_total = 0  # skipped steps already reported
         self.lrs: dict[int, float] = {}  # lr of the steps not yet reviewed (for the message)
-        self.last_good: str | None = None  # the newest checkpoint known finite (loaded or saved)
+        self.last_good: str | None = None  # the newest checkpoint whose losses were normal (loaded or saved)
+        self.history: list[list] = []  # [step, loss, grad norm] of the log rows (host values, already read)
+        self.since_save = 0  # rows logged since the last checkpoint
         self.host_checked = False
         self.flats = []
         self._install(optimizer)
@@ -142,6 +152,39 @@ class NonFiniteGuard:
                  else "no checkpoint was written from finite weights yet")
         return metrics, NonFiniteError(f"{what}; stopped ({why}) at step {it}; {where}; lower optimizer.lr "
                                        "or raise optimizer.warmup_iters and resume from it")
+
+    def record(self, it: int, loss: float, grad_norm: float) -> None:
+        """A log row's loss and grad norm (read on the host with the row: no extra sync)."""
+        self.history = [*self.history, [it, loss, grad_norm]][-4 * HISTORY:]
+        self.since_save += 1
+
+    def resume(self, trainer_state: dict, path: str) -> None:
+        """History and last good checkpoint from the loaded checkpoint's trainer state."""
+        self.history = [list(r) for r in trainer_state.get("history", [])]
+        normal = trainer_state.get("normal", trainer_state.get("finite", True))
+        self.last_good = path if normal else trainer_state.get("last_normal")
+
+    def checkpoint_state(self) -> dict:
+        """Trainer-state fields of the checkpoint about to be written: its history, whether it is
+        normal, and the newest earlier normal one."""
+        recent = self.history[len(self.history) - self.since_save:] if self.since_save else self.history[-1:]
+        earlier = self.history[:len(self.history) - len(recent)]
+        ok = all(math.isfinite(loss) and math.isfinite(gn) for _, loss, gn in recent)
+        ref_gn = sorted(gn for _, _, gn in earlier if math.isfinite(gn))
+        ref_loss = sorted(loss for _, loss, _ in earlier if math.isfinite(loss))
+        if ok and len(ref_gn) >= 3:
+            ok = max(gn for _, _, gn in recent) <= SPIKE * ref_gn[len(ref_gn) // 2]
+        if ok and len(ref_loss) >= 3:
+            ok = max(loss for _, loss, _ in recent) <= LOSS_RISE * ref_loss[len(ref_loss) // 2]
+        return {"history": self.history[-HISTORY:], "normal": ok, "last_normal": self.last_good}
+
+    def saved(self, path: str, state: dict) -> None:
+        self.since_save = 0
+        if state.get("normal"):
+            self.last_good = path
+        else:
+            log.warning("checkpoint %s: loss or grad norm not normal since the previous checkpoint (%s); the last "
+                        "good checkpoint stays %s", path, state["history"][-1:], self.last_good or "none")
 
     def before_save(self, it: int) -> None:
         """Read the counters now (a save waits for the device anyway) and stop before writing

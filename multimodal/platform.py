@@ -28,6 +28,7 @@ import contextlib
 import datetime
 import logging
 import os
+import signal
 from dataclasses import dataclass
 
 import torch
@@ -344,3 +345,47 @@ def use_deterministic_algorithms(enabled: bool) -> None:
     if enabled:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(enabled, warn_only=True)
+
+
+class StopSignals:
+    """SIGTERM (a scheduler's pre-emption, ``kill``) sets a flag that the step loop reads between
+    steps: the run then completes the checkpoint being written and stops in one line. SIGINT keeps
+    Python's KeyboardInterrupt (it also stops the data workers) and the loop reports it the same way."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        self._previous = None
+
+    def install(self) -> "StopSignals":
+        def handler(signum, frame):
+            self.signal = signum
+        try:
+            self._previous = signal.signal(signal.SIGTERM, handler)
+        except ValueError:  # not the main thread (tests driving the loop from a thread)
+            self._previous = None
+        return self
+
+    def uninstall(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def error(self, step: int, latest: str | None, cfg):
+        return _stopped("SIGTERM", signal.SIGTERM, step, latest, cfg)
+
+    @staticmethod
+    def interrupted(step: int, latest: str | None, cfg):
+        return _stopped("interrupted (SIGINT)", signal.SIGINT, step, latest, cfg)
+
+
+def _stopped(what: str, signum: int, step: int, latest: str | None, cfg):
+    from core.errors import Stopped
+
+    if latest:
+        back = (f"last checkpoint {latest}; resume: the same command with checkpoint.load=latest"
+                + ("" if cfg.checkpoint.load == "latest" else f" checkpoint.dir={cfg.checkpoint.dir}"))
+    elif cfg.checkpoint.dir:
+        back = "no checkpoint written yet (checkpoint.interval sets how often); a rerun starts from step 0"
+    else:
+        back = "no checkpoints (checkpoint.dir=null); a rerun starts from step 0"
+    return Stopped(f"{what} after step {step}: the run stopped before the next step; {back}", signum)

@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import json
 import logging
-import signal
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +58,8 @@ log = logging.getLogger(__name__)
 class TrainResult:
     losses: dict[int, float] = field(default_factory=dict)
     last_iteration: int = 0
+    tokens: int = 0  # real tokens this rank's micro-batches held
+    checkpoint: str | None = None  # the last one this run wrote
 
 
 def resolve_dtype(precision: str, rt: Runtime) -> torch.dtype:
@@ -236,7 +238,13 @@ def _build_and_loop(cfg: Config, rt: Runtime, dtype: torch.dtype, mem: MemoryToo
     t, m = cfg.train, cfg.model
     # before anything is built: a mistyped checkpoint.load stops here, in a second, not after the model
     load_path = checkpointing.resolve(cfg.checkpoint.load, cfg.checkpoint.dir) if cfg.checkpoint.load else None
+    lineage = None
+    if cfg.checkpoint.dir:  # a folder that cannot take this run's checkpoints stops it now, not at the first save
+        checkpointing.check_writable(cfg.checkpoint.dir)
+        lineage = checkpointing.start_run(cfg.checkpoint.dir, load_path, cfg.checkpoint.overwrite)
     model, ddp, optimizer, scheduler = build_model_and_optimizer(cfg, rt, dtype)
+    if cfg.checkpoint.dir:
+        checkpointing.check_free_space(cfg.checkpoint.dir, *checkpointing.estimate_bytes(model, rt.world_size))
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     num_microbatches = t.global_batch_size // (t.micro_batch_size * dp_size)
     if rt.is_main:
@@ -258,7 +266,7 @@ def _build_and_loop(cfg: Config, rt: Runtime, dtype: torch.dtype, mem: MemoryToo
     start, last_good = 0, None
     if load_path is not None:
         start, data_state = checkpointing.load(load_path, model, optimizer, scheduler,
-                                               model_config=dataclasses.asdict(m))
+                                               model_config=dataclasses.asdict(m), trust=cfg.checkpoint.trust)
         last_good = str(load_path)
         if data_state is not None:
             loader.load_state_dict(data_state)
@@ -269,7 +277,7 @@ def _build_and_loop(cfg: Config, rt: Runtime, dtype: torch.dtype, mem: MemoryToo
     batches = Prefetcher(loader, depth, prepare=prepare) if depth else loader
     try:
         return _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microbatches, dtype, mem,
-                     last_good)
+                     last_good, lineage)
     finally:
         overlap = getattr(optimizer, "update_overlap", None)
         if overlap is not None:  # the last update may still run: callers read the parameters
@@ -283,13 +291,13 @@ def _build_and_loop(cfg: Config, rt: Runtime, dtype: torch.dtype, mem: MemoryToo
 
 
 def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microbatches, dtype,
-          mem: MemoryTools | None = None, last_good: str | None = None) -> TrainResult:
+          mem: MemoryTools | None = None, last_good: str | None = None, lineage: dict | None = None) -> TrainResult:
     t, m, ck = cfg.train, cfg.model, cfg.checkpoint
     sink = MetricsSink(cfg.logging, rt.is_main, t.iters, start, cfg.to_dict())
     fwd_bwd = get_forward_backward_func()
     peak = device_peak_tflops(cfg.logging.peak_tflops)
     result = TrainResult(last_iteration=start)
-    report = torch.zeros(2, device=rt.device)  # [loss_sum, tokens] since last log
+    report = torch.zeros(4, device=rt.device)  # [loss_sum, tokens, MTP loss_sum, MTP tokens] since last log
     window = _Window()
     if rt.is_cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -300,10 +308,12 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
     overlap = getattr(optimizer, "update_overlap", None)  # the step runs behind the next forward
     guard = NonFiniteGuard(optimizer, t.on_nonfinite, t.max_nonfinite_steps, rt.device)
     guard.last_good = last_good
+    if last_good is not None:  # its loss / grad-norm history, and whether it was itself a good one
+        guard.resume(checkpointing.trainer_state(Path(last_good)), last_good)
     use_async = ck.async_save if ck.async_save is not None else rt.is_cuda
     saves = AsyncSaves() if ck.dir and use_async else None
-    if saves is not None:
-        saves.on_sigterm()
+    stop = platform.StopSignals().install()  # SIGTERM / SIGINT: stop between steps, in one line
+    began = time.perf_counter()
     evaluator = Evaluator.build(cfg, rt, ddp, optimizer, dtype, num_microbatches)  # None: no validation
 
     def flush_log():
@@ -316,10 +326,10 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
         for it in range(start + 1, t.iters + 1):
             if saves is not None:
                 saves.poll()  # a save whose files are written becomes `latest` now
-                if saves.terminated:
-                    saves.wait()
-                    log.warning("SIGTERM: the checkpoint being written is complete; stopping before step %d", it)
-                    raise SystemExit(128 + signal.SIGTERM)
+            if stop.signal is not None:
+                if saves is not None:
+                    saves.wait()  # the checkpoint being written is completed first
+                raise stop.error(it - 1, _latest(ck), cfg)
             profiler.begin(it)
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
@@ -341,13 +351,16 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
             _, grad_norm, _ = optimizer.step()
             step_report = torch.zeros_like(report)
             for out in outputs:  # (none on pipeline stages without the loss)
-                step_report += out["lm loss"]
+                step_report[:2] += out["lm loss"]
+                if "mtp loss" in out:  # model.mtp_num_layers
+                    step_report[2:] += out["mtp loss"]
             # a skipped step (non-finite gradient norm) is counted, its loss left out of the window's
             report += guard.after_step(it, scheduler.get_lr(optimizer.param_groups[0]), step_report)
             scheduler.step(increment=1)
             if saves is not None and it == start + 2:  # the moments exist (an overlapped update included)
                 saves.reserve_staging(model, optimizer)
             window.add(step.batches, m)
+            result.tokens += sum(b["num_real_tokens"] for b in step.batches)
             profiler.end(it)
             sink.advance()
             if mem is not None:
@@ -367,7 +380,10 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
             if evaluating:  # its val_* metrics go into this step's log row
                 pending.host.update(evaluator.run(it))
                 clock.mark()  # the evaluation's time stays out of the next log window's step time
-            if ck.dir and ((ck.interval and it % ck.interval == 0) or (it == t.iters and ck.save_at_end)):
+            due = ck.dir and ((ck.interval and it % ck.interval == 0) or (it == t.iters and ck.save_at_end))
+            if saves is not None:  # a save due while the previous one is still writing waits for a later step
+                due = saves.due(it, bool(due), final=it == t.iters and ck.save_at_end)
+            if due:
                 if overlap is not None:
                     overlap.finish()  # the saved parameters and moments are this step's
                 # every logged step up to this one is in metrics.jsonl before the checkpoint
@@ -378,12 +394,17 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
                     raise NonFiniteError(f"step {it}: the weights are not finite, so no checkpoint was written; "
                                          f"last good checkpoint: {guard.last_good or 'none'}; lower optimizer.lr "
                                          "and resume from it")
+                health = guard.checkpoint_state()
                 saved = checkpointing.save(ck.dir, it, model, optimizer, scheduler, batches.state_dict(),
-                                           ck.keep_last, meta_files=checkpoint_meta(cfg), saves=saves)
-                guard.last_good = str(saved)
+                                           ck.keep_last, meta_files=checkpoint_meta(cfg), saves=saves,
+                                           extra={**(lineage or {}), **health})
+                guard.saved(str(saved), health)
+                result.checkpoint = str(saved)
             result.last_iteration = it
         flush_log()
         _log_data_summary(batches)
+    except KeyboardInterrupt as e:  # Ctrl-C inside a step: the same one line as between steps
+        raise platform.StopSignals.interrupted(result.last_iteration, _latest(ck), cfg) from e
     except BaseException as e:
         # keep the last log line of a run that fails one step later; with several ranks its
         # reductions may wait on a peer that is gone, so only alone
@@ -401,8 +422,33 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
         profiler.close()  # a run that stops inside the window still writes its profile
         if saves is not None:
             saves.close()  # the save in flight is completed (or reported) before the run ends
+        stop.uninstall()
     sink.close()
+    if rt.is_main:
+        log.info(_summary(cfg, result, start, time.perf_counter() - began, ps.get_data_parallel_world_size()))
     return result
+
+
+def _latest(ck) -> str | None:
+    """The checkpoint ``latest`` names now, or None."""
+    marker = Path(ck.dir) / "latest" if ck.dir else None
+    return str(marker.parent / marker.read_text().strip()) if marker is not None and marker.is_file() else None
+
+
+def _summary(cfg, result: TrainResult, start: int, seconds: float, dp_size: int) -> str:
+    """The run's last line: what it did and where everything is."""
+    losses = [(k, v) for k, v in sorted(result.losses.items()) if v == v]
+    loss = f"final loss {losses[-1][1]:.4f} (step {losses[-1][0]})" if losses else "no finite loss logged"
+    ck = cfg.checkpoint
+    where = f"metrics: {Path(cfg.logging.dir) / 'metrics.jsonl'}"
+    latest = _latest(ck)
+    if latest:
+        where += (f"; checkpoint: {latest} (continue: checkpoint.load=latest train.iters=N; export: python "
+                  f"scripts/convert_hf.py export --ckpt {ck.dir} --out DIR)")
+    else:
+        where += "; no checkpoint (checkpoint.dir is null or no save was due)"
+    return (f"done: steps {start + 1}-{result.last_iteration} in {seconds:.1f} s, {loss}, about "
+            f"{result.tokens * dp_size:,} real tokens; {where}")
 
 
 class _Window:
@@ -452,7 +498,7 @@ def _start_log(it, report, grad_norm, scheduler, window: _Window, clock: StepClo
     # memory, which waits for the whole queued step and left the GPU idle while the host then
     # prepared the next batch (~14 ms of every logged 2B step with varied images)
     counts = to_device_async(torch.tensor([window.tokens, window.flops], dtype=torch.float64), report.device)
-    totals = torch.cat([report.double(), counts])
+    totals = torch.cat([report[:2].double(), counts, report[2:].double()])  # MTP [sum, tokens] at the end
     dist.all_reduce(totals, group=dp_group)  # loss and tokens of the whole data-parallel batch
     host = {"lr": scheduler.get_lr(scheduler.optimizer.param_groups[0]), "steps": window.steps,
             "processed_tokens": window.steps * processed_per_step}
@@ -467,7 +513,7 @@ def _start_log(it, report, grad_norm, scheduler, window: _Window, clock: StepClo
         param_norm = _param_norm(model)  # of this step's parameters, before the next step changes them
         g = grad_norm.reshape(1).to(totals) if on_device else totals.new_zeros(1)
         extra = [guard_counters.to(totals)] if guard_counters is not None else []  # nonfinite.COUNTERS
-        values = torch.cat([totals, param_norm.reshape(1).to(totals), g, *extra])
+        values = torch.cat([totals[:4], param_norm.reshape(1).to(totals), g, *extra, totals[4:]])
         # not .cpu(): that waits for everything queued so far, here and again at the read below
         staged = torch.empty(values.shape, dtype=values.dtype, pin_memory=rt.is_cuda)
         staged.copy_(values, non_blocking=True)
@@ -508,11 +554,14 @@ def _emit(p: _PendingLog, peak, sink: MetricsSink, result: TrainResult, guard: N
         # real tokens / tokens processed (padding included): how full the packed rows were
         "real_token_fraction": totals[2] / max(p.host["processed_tokens"], 1),
     }
+    if totals[-1] > 0:  # model.mtp_num_layers: the mean MTP loss over its shifted supervised tokens
+        metrics["mtp_loss"] = totals[-2] / totals[-1]
     metrics.update({k: v for k, v in p.host.items() if k.startswith(("cuda_graph", "rows_", "val_", "data_"))})
     error = None
     if guard is not None:
-        guard_metrics, error = guard.review(p.it, totals[6:])
+        guard_metrics, error = guard.review(p.it, totals[6:-2])
         metrics.update(guard_metrics)
+        guard.record(p.it, metrics["loss"], grad_norm)
     result.losses[p.it] = metrics["loss"]
     sink.log(p.it, metrics)
     if error is not None:  # after the row: the log shows the skipped steps that stopped the run

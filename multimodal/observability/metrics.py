@@ -30,6 +30,8 @@ class MetricsSink:
             return
         out = Path(cfg.dir)
         out.mkdir(parents=True, exist_ok=True)
+        if start_iter == 0:  # a fresh run: an earlier run's rows are kept, in a file of their own
+            keep_earlier_run(out / "metrics.jsonl")
         drop_rows_after(out / "metrics.jsonl", start_iter)
         self.jsonl = open(out / "metrics.jsonl", "a", buffering=1)
         if cfg.tensorboard:
@@ -86,6 +88,20 @@ class MetricsSink:
             self.wandb.finish()
 
 
+def keep_earlier_run(path: Path) -> Path | None:
+    """Move a non-empty ``metrics.jsonl`` of an earlier run to ``metrics.<n>.jsonl`` (the next free
+    n), said in one line, so a fresh run in the same logging.dir starts its own file."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return None
+    n = 1
+    while (kept := path.with_name(f"metrics.{n}.jsonl")).exists():
+        n += 1
+    os.replace(path, kept)
+    log.info("logging.dir already held a metrics.jsonl of an earlier run (this run starts at step 0): kept as %s; "
+             "this run writes %s", kept, path)
+    return kept
+
+
 def drop_rows_after(path: Path, step: int) -> int:
     """Rewrite ``path`` without rows whose step is past ``step`` (atomically); returns how many went.
     A torn last line (a kill mid-write) goes too."""
@@ -118,6 +134,8 @@ def console_line(step: int, m: dict) -> str:
         f"{_num(m.get('tflops_per_gpu'), '.3g')} TFLOP/s/GPU | mfu {_fmt(m.get('mfu'))} | "
         f"peak mem {_num(m.get('mem_peak_gib'), '.2f')} GiB"
     )
+    if m.get("mtp_loss") is not None:  # model.mtp_num_layers
+        line += f" | mtp_loss {_num(m['mtp_loss'], '.4f')}"
     if "val_loss" in m:  # a step that evaluated (multimodal/evaluation.py)
         line += f" | val_loss {_num(m.get('val_loss'), '.4f')} ({m.get('val_tokens', '?')} tokens)"
     if m.get("skipped_steps"):
