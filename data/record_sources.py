@@ -63,7 +63,11 @@ class JsonlRecords:
             f.seek(int(self.offsets[index]))
             line = f.readline()
         try:
-            return json.loads(line)
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:  # json.loads would raise it past the bad-row count
+            raise SkipSample("bad_text", f"line is not UTF-8 (byte {line[e.start]:#04x} at offset {e.start})") from None
+        try:
+            return json.loads(text)
         except json.JSONDecodeError as e:
             raise SkipSample("bad_json", f"line is not valid JSON ({e})") from None
 

@@ -126,3 +126,43 @@ def test_cli_schema_error_is_one_line_with_exit_code_2(tmp_path, made):
                   "checkpoint.dir=null", config="configs/qwen35_vl_proxy_cord.yaml")
     assert run.rc == 2, run.stderr[-3000:]
     assert run.last_line.startswith(f"error: {victim}: not a readable parquet file"), run.last_line
+
+
+def test_a_non_utf8_line_in_a_conversations_jsonl_is_skipped_and_counted(tmp_path, made, capsys):
+    """In training (the dataset's skip count) and in multimodal.inspect_data, which printed a
+    UnicodeDecodeError traceback before."""
+    import json
+
+    from multimodal.inspect_data import main as inspect_main
+
+    root, _ = made[0], made[1]
+    good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]}
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(json.dumps(good).encode() + b"\n" + b'{"messages": "caf\xe9"}\n' + json.dumps(good).encode() + b"\n")
+    rc = inspect_main(["--config", "configs/qwen35_vl_proxy_cord.yaml", "--num", "2", "--json",
+                       "data.name=conversations", f"data.path={path}", f"data.tokenizer={root / 'tok'}"])
+    assert rc == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["index"] for r in rows] == [0, 2]  # record 1 skipped, not a crash
+
+    from data.conversations import ConversationsDataset
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(root / "tok"))
+    from data.chat import special_token_ids
+
+    ds = ConversationsDataset(ModelConfig(vocab_size=512, **special_token_ids(tok)),
+                              DataConfig(name="conversations", path=str(path)), 256, tok)
+    assert ds[1] is None and ds[0] is not None and dict(ds.skipped) == {"bad_text": 1}
+
+
+def test_cord_data_path_that_does_not_exist_is_refused_before_the_model_is_built(tmp_path, made, capsys):
+    from pretrain_multimodal import main
+
+    rc = main(["--config", "configs/qwen35_vl_proxy_cord.yaml", f"data.path={tmp_path / 'no_such'}",
+               f"data.tokenizer={made[0] / 'tok'}", f"logging.dir={tmp_path / 'log'}"])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == (f"error: data.path='{tmp_path / 'no_such'}' does not exist (data.name=cord_v2 reads a folder "
+                       "of parquet files, e.g. scripts/make_synthetic_cord.py's output); point data.path at it"), err
+    assert not (tmp_path / "log").exists()  # refused before any run
