@@ -5,10 +5,16 @@ parquet files), one record at a time (``data/record_sources.py``), in two forms:
 
 - chat messages (what ``apply_chat_template`` takes)::
 
-    {"messages": [{"role": "system" | "user" | "assistant",
+    {"messages": [{"role": "system" | "user" | "assistant" | "tool",
                    "content": "text" | [{"type": "image", "image": IMAGE}, {"type": "video", "video": VIDEO},
                                         {"type": "text", "text": "..."}],
-                   "reasoning_content": "..." (optional)}]}
+                   "reasoning_content": "..." (optional),
+                   "tool_calls": [{"name": ..., "arguments": {...} | "JSON"}, ...] (optional, assistant)}],
+     "tools": [FUNCTION SCHEMA, ...] | "JSON list" (optional)}
+
+  ``tools`` are written into the system turn, ``tool_calls`` after the assistant's answer and
+  ``tool`` messages (the results) as ``<tool_response>`` blocks of a user turn, as Qwen3.5's
+  template writes them (``data/chat.py``); calls are supervised, results are not.
 
 - LLaVA / ShareGPT::
 
@@ -39,6 +45,7 @@ from __future__ import annotations
 
 import base64
 import collections
+import json
 import logging
 import re
 from pathlib import Path
@@ -103,6 +110,17 @@ def _without_nulls(d: dict) -> dict:
     return {k: v for k, v in d.items() if v is not None}
 
 
+def _call_without_nulls(call):
+    """A tool call without the None values a datasets table adds, at both of its levels (OpenAI's
+    ``{"function": {...}}`` form)."""
+    if not isinstance(call, dict):
+        return call
+    call = _without_nulls(call)
+    if isinstance(call.get("function"), dict):
+        call["function"] = _without_nulls(call["function"])
+    return call
+
+
 class ConversationsDataset(torch.utils.data.Dataset):
     """JSON/JSONL conversation records -> ``MockDataset``-format samples (or ``None`` when skipped)."""
 
@@ -160,10 +178,14 @@ class ConversationsDataset(torch.utils.data.Dataset):
             if not isinstance(record["messages"], list):
                 raise SkipSample("bad_record", "messages is not a list")
             for i, msg in enumerate(record["messages"]):
-                if not isinstance(msg, dict) or msg.get("role") not in ("system", "user", "assistant"):
+                if not isinstance(msg, dict) or msg.get("role") not in ("system", "user", "assistant", "tool"):
                     role = msg.get("role") if isinstance(msg, dict) else msg
-                    raise SkipSample("unknown_role", f"message {i} has role {role!r}")
-                messages.append(_without_nulls(msg))
+                    raise SkipSample("unknown_role", f"message {i} has role {role!r}; expected system, user, "
+                                     "assistant or tool")
+                msg = _without_nulls(msg)
+                if isinstance(msg.get("tool_calls"), list):
+                    msg["tool_calls"] = [_call_without_nulls(c) for c in msg["tool_calls"]]
+                messages.append(msg)
         elif "conversations" in record:
             messages, _ = sharegpt_to_messages(record)
         else:
@@ -189,6 +211,20 @@ class ConversationsDataset(torch.utils.data.Dataset):
         if self.system_prompt and not (out and out[0].get("role") == "system"):
             out.insert(0, {"role": "system", "content": self.system_prompt})
         return out, sources
+
+    @staticmethod
+    def _tools(record: dict) -> list | None:
+        """The record's function schemas: a list, or a JSON string of one (a datasets table stores
+        schemas of different shapes that way)."""
+        tools = record.get("tools")
+        if isinstance(tools, str):
+            try:
+                tools = json.loads(tools)
+            except ValueError as e:
+                raise SkipSample("bad_record", f"tools is not JSON ({e})") from None
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise SkipSample("bad_record", "tools must be a list of function schemas (JSON objects)")
+        return tools
 
     def _image_source(self, src, kind: str = "image"):
         """An image/video reference -> bytes or an existing path (or a counted skip)."""
@@ -244,21 +280,23 @@ class ConversationsDataset(torch.utils.data.Dataset):
     # ------------------------------------------------------------------ sample
 
     def _sample(self, index: int) -> dict:
-        messages, sources = self._messages(self._record(index))
+        record = self._record(index)
+        messages, sources = self._messages(record)
+        tools = self._tools(record)
         answers = [m for m in messages if m.get("role") == "assistant"]
         if not answers:
             raise SkipSample("empty_answer", "the record has no assistant turn")
         for m in answers:
             c = m.get("content")
             text = c if isinstance(c, str) else "".join(p.get("text", "") for p in c or [] if isinstance(p, dict))
-            if not text.strip() and not (m.get("reasoning_content") or "").strip():
+            if not text.strip() and not (m.get("reasoning_content") or "").strip() and not m.get("tool_calls"):
                 raise SkipSample("empty_answer", "an assistant turn is empty")
         visuals = [(kind, *(self._load_image(src) if kind == "image" else self._load_video(src)))
                    for kind, src in sources]
         counts = [int(v[2].prod()) // self.merge**2 for v in visuals if v[0] == "image"]
         videos = [(v[3], int(v[2][1:].prod()) // self.merge**2) for v in visuals if v[0] == "video"]
         try:
-            ids, mask = encode_conversation(self.tokenizer, messages, counts, self.ids, videos)
+            ids, mask = encode_conversation(self.tokenizer, messages, counts, self.ids, videos, tools)
         except ValueError as e:
             raise SkipSample("bad_record", str(e)) from None
         if len(ids) > self.seq_length:
