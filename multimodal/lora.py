@@ -34,6 +34,8 @@ TARGETS = {
     "shared_experts": ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"),
 }
 _LAYER = re.compile(r"^language_model\.decoder\.layers\.\d+\.(.+)$")
+# the MTP head's decoder layer (model.mtp_num_layers) gets the same adapters as the decoder's
+_MTP_LAYER = re.compile(r"^language_model\.mtp\.layers\.\d+\.transformer_layer\.(.+)$")
 
 
 def check_lora(lora) -> str | None:
@@ -74,11 +76,15 @@ def apply_lora(model: torch.nn.Module, lora, seed: int | None = None) -> str:
     layers = model.language_model.decoder.layers if getattr(model, "language_model", None) is not None else []
     adapted = 0
     for name, m in list(model.named_modules()):
-        hit = _LAYER.match(name)
+        hit = _LAYER.match(name) or _MTP_LAYER.match(name)
         if not hit or hit.group(1) not in wanted:
             continue
-        layer = layers[int(name.split(".")[3])]
-        global_name = f"language_model.decoder.layers.{layer.layer_number - 1}.{hit.group(1)}"
+        if name.startswith("language_model.mtp."):  # one MTP head per model: its name is global
+            layer = model.get_submodule(name[:name.index(".transformer_layer.")] + ".transformer_layer")
+            global_name = name
+        else:
+            layer = layers[int(name.split(".")[3])]
+            global_name = f"language_model.decoder.layers.{layer.layer_number - 1}.{hit.group(1)}"
         add_adapter(m, lora.rank, lora.alpha, lora.dropout, global_name, seed)
         if not getattr(layer, "_lora_sharded", False):  # the split matrices stored like their base weights
             layer.sharded_state_dict = _with_sharded_adapters(layer.sharded_state_dict)

@@ -144,3 +144,24 @@ def test_forward_and_loss_match_a_reference_from_vllm(mcore):
     lm = report["lm loss"]
     torch.testing.assert_close(loss.detach() - lm[0], cfg.model.mtp_loss_scale * lm[1] / count * total,
                                rtol=1e-5, atol=1e-5)
+
+
+def test_freeze_mtp_and_lora_cover_the_head(mcore):
+    from multimodal.freeze import freeze
+    from multimodal.lora import apply_lora
+
+    cfg, model = proxy_model(["model.mtp_num_layers=1"])
+    counts = freeze(model, ["mtp"])
+    assert counts["mtp"][0] == 0 and counts["mtp"][1] > 0 and counts["language"][0] == counts["language"][1]
+    batch = _packed(cfg, _samples(cfg))
+    _run(cfg, model, batch, backward=True)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert all(g is None for n, g in grads.items() if ".mtp." in n)
+    assert grads["language_model.decoder.layers.0.self_attention.in_proj.weight"].abs().sum() > 0
+
+    cfg, model = proxy_model(["model.mtp_num_layers=1", "model.lora.rank=4"])
+    apply_lora(model, cfg.model.lora, seed=0)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    mtp = [n for n in trainable if ".mtp." in n]
+    decoder_attn = [n for n in trainable if "decoder.layers.3." in n]
+    assert mtp and len(mtp) == len(decoder_attn)  # the same adapters as a full-attention decoder layer

@@ -10,7 +10,9 @@ training = 3 x forward (backward costs two forwards), less for frozen parts
   head: state read and update 4*dk*dv, intra-chunk terms 2*C*(dk+dv), C = 64);
 - MLP / MoE (top-k routed experts + shared expert + router), LM head (with
   ``model.sparse_lm_head``: at the loss tokens only, the tokens it ran on);
-- vision encoder per patch (blocks + attention within each image) and the merger.
+- vision encoder per patch (blocks + attention within each image) and the merger;
+- each MTP depth (``model.mtp_num_layers``): its eh_proj [H, 2H], one full-attention layer with
+  the decoder's MLP / MoE, and its own pass through the LM head at every real token.
 """
 
 from __future__ import annotations
@@ -52,6 +54,36 @@ def _decoder_parts(m) -> tuple[float, float, float, float]:
     return float(weights), float(n_gdn * gdn_core), float(2 * h * m.vocab_size), float(n_attn * 4 * q)
 
 
+def _mtp_parts(m) -> tuple[float, float, float]:
+    """Forward FLOPs per token of one MTP depth's weights (eh_proj + a full-attention layer) and of
+    its LM-head pass; its attention-score FLOPs per pair."""
+    h = m.hidden_size
+    q = m.num_attention_heads * m.head_dim
+    kv = m.num_query_groups * m.head_dim
+    if m.num_experts:
+        mlp = m.moe_router_topk * 6 * h * m.moe_ffn_hidden_size + 2 * h * m.num_experts
+        mlp += 6 * h * m.moe_shared_expert_intermediate_size + (2 * h if m.moe_shared_expert_intermediate_size else 0)
+    else:
+        mlp = 6 * h * m.ffn_hidden_size
+    weights = 2 * (2 * h) * h + 2 * h * (2 * q + 2 * kv) + 2 * q * h + mlp
+    return float(weights), float(2 * h * m.vocab_size), float(4 * q)
+
+
+def _mtp_flops(m, passes: TrainingPasses, tokens: int, pairs: float) -> float:
+    """Training FLOPs of the MTP depths. Its weights train unless ``model.freeze`` has ``mtp`` or
+    LoRA freezes every base weight; the backward passes through it when it or anything below trains."""
+    depth = getattr(m, "mtp_num_layers", 0)
+    if not depth:
+        return 0.0
+    trains = not m.lora.rank and "mtp" not in m.freeze
+    through = trains or passes.decoder_core > 1
+    head_trains = not m.lora.rank and "lm_head" not in m.freeze and not (
+        m.tie_word_embeddings and "embedding" in m.freeze)
+    weights, head, per_pair = _mtp_parts(m)
+    return depth * ((1 + through + trains) * weights * tokens + (1 + 2 * through) * per_pair * pairs
+                    + (1 + through + head_trains) * head * tokens)
+
+
 def vision_flops(m, image_grids: Iterable[tuple[int, int, int]]) -> float:
     return sum(_vision_parts(m, image_grids))
 
@@ -85,4 +117,5 @@ def training_flops(m, sample_lengths: Iterable[int], image_grids: Iterable[tuple
     head_tokens = tokens if lm_head_tokens is None else lm_head_tokens
     encoder, merger = _vision_parts(m, image_grids)
     return (passes.decoder_weights * weights * tokens + passes.decoder_core * (core * tokens + per_pair * pairs)
-            + passes.lm_head * head * head_tokens + passes.vision * encoder + passes.merger * merger)
+            + passes.lm_head * head * head_tokens + passes.vision * encoder + passes.merger * merger
+            + _mtp_flops(m, passes, tokens, pairs))

@@ -103,6 +103,9 @@ def stage_params(m: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1, stage: i
     n_gdn = len(layers) - n_attn
     kinds = {"gdn": n_gdn, "attention": n_attn}  # the keys of activation_bytes_per_token
     dense_mlp, expert_mlp = mlp_params(m, tp, ep)
+    # MTP depths (last stage): eh_proj [H, 2H] (column-parallel), a full-attention layer, 5 norms
+    depth = getattr(m, "mtp_num_layers", 0) if last else 0
+    mtp_experts = depth * expert_mlp
     parts = {
         "embedding": m.vocab_size // tp * h if first else 0,
         "vision": vision_params(m) if first else 0,
@@ -113,6 +116,7 @@ def stage_params(m: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1, stage: i
         "experts": len(layers) * expert_mlp,
         # untied: its own matrix; tied: shared with the embedding on one stage, a synced copy when pp > 1
         "output": m.vocab_size // tp * h if last and (not m.tie_word_embeddings or not first) else 0,
+        "mtp": depth * (2 * h * h // tp + attention_params(m, tp) + dense_mlp + 5 * h) + mtp_experts,
     }
     frozen_by_group = {
         "vision": parts["vision"] - (merger_params(m) if first else 0),
@@ -120,16 +124,18 @@ def stage_params(m: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1, stage: i
         "language": sum(parts[k] for k in ("gdn", "attention", "norms", "mlp", "experts")),
         "embedding": parts["embedding"],
         "lm_head": parts["output"],
+        "mtp": parts["mtp"],
     }
     freeze = set(getattr(m, "freeze", ()))
     frozen = sum(n for g, n in frozen_by_group.items() if g in freeze)
     lora = getattr(m, "lora", None)
     if lora is not None and lora.rank:  # model.lora: every base weight frozen, the adapters train
         frozen = sum(parts.values())
-        parts["lora"] = lora_params(m, n_gdn, n_attn, tp)
-        return StageParams(stage, kinds, parts, parts["experts"], frozen, parts["experts"])
-    return StageParams(stage, kinds, parts, parts["experts"], frozen,
-                       parts["experts"] if "language" in freeze else 0)
+        parts["lora"] = lora_params(m, n_gdn, n_attn + depth, tp)  # the MTP layers' linears too
+        experts = parts["experts"] + mtp_experts
+        return StageParams(stage, kinds, parts, experts, frozen, experts)
+    return StageParams(stage, kinds, parts, parts["experts"] + mtp_experts, frozen,
+                       parts["experts"] * ("language" in freeze) + mtp_experts * ("mtp" in freeze))
 
 
 def model_params(m: ModelConfig) -> tuple[int, int]:
@@ -139,7 +145,7 @@ def model_params(m: ModelConfig) -> tuple[int, int]:
     active = total
     if m.num_experts:
         per_expert = 3 * m.hidden_size * m.moe_ffn_hidden_size
-        active -= m.num_layers * (m.num_experts - m.moe_router_topk) * per_expert
+        active -= (m.num_layers + m.mtp_num_layers) * (m.num_experts - m.moe_router_topk) * per_expert
     return total, active
 
 

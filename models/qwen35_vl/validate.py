@@ -44,6 +44,8 @@ def validate(m: ModelConfig, p) -> None:
                 f"must be divisible by parallel.tp ({p.tp})")
     require(m.mtp_num_layers >= 0, f"model.mtp_num_layers must be >= 0, got {m.mtp_num_layers}")
     require(m.mtp_loss_scale >= 0, f"model.mtp_loss_scale must be >= 0, got {m.mtp_loss_scale}")
+    require(m.mtp_num_layers or "mtp" not in m.freeze,
+            "model.freeze names mtp but model.mtp_num_layers=0 (no MTP head): drop mtp from model.freeze")
     if m.mtp_num_layers:
         require(p.pp == 1, f"model.mtp_num_layers={m.mtp_num_layers} runs on one pipeline stage only: set "
                 "parallel.pp=1 (or model.mtp_num_layers=0 to train without the MTP head)")
