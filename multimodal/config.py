@@ -134,7 +134,8 @@ class TrainConfig:
     max_nonfinite_steps: int = 10
     # validation loss (multimodal/evaluation.py) every eval_interval steps and after the last step
     # (0 = off), over eval_iters global batches (train.global_batch_size rows each) of the
-    # validation data (data.valid_path), the same batches at every evaluation
+    # validation data (data.valid_path), the same batches at every evaluation; each sample at most
+    # once (rows past the set's end are blank, never repeats)
     eval_interval: int = 0
     eval_iters: int = 10
 
