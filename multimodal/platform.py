@@ -388,4 +388,19 @@ def _stopped(what: str, signum: int, step: int, latest: str | None, cfg):
         back = "no checkpoint written yet (checkpoint.interval sets how often); a rerun starts from step 0"
     else:
         back = "no checkpoints (checkpoint.dir=null); a rerun starts from step 0"
-    return Stopped(f"{what} after step {step}: the run stopped before the next step; {back}", signum)
+    return Stopped(f"{what} after step {step}; {back}", signum)
+
+
+def transformers_torch_kernels(model_name: str = "qwen35_vl") -> bool:
+    """On a machine without a GPU, make transformers' Qwen3.5 modules run their own PyTorch Gated
+    DeltaNet and causal-conv functions: transformers takes flash-linear-attention's Triton kernels
+    whenever ``fla`` imports (it does in this environment), and those fail on a CPU with
+    "RuntimeError: 0 active drivers". One line before running an exported checkpoint with
+    transformers on a CPU (``import multimodal.platform as p; p.transformers_torch_kernels()``);
+    returns whether it switched (not on a GPU, where the kernels work)."""
+    if torch.cuda.is_available():
+        return False
+    from models import get_hf_adapter, get_model_family
+
+    get_hf_adapter(get_model_family(model_name)).use_hf_torch_kernels()
+    return True

@@ -77,7 +77,9 @@ def test_sigterm_waits_for_the_save_in_flight(tmp_path):
     run = run_cli(tmp_path, "train.iters=8", "checkpoint.interval=2", f"checkpoint.dir={ck}",
                   "checkpoint.async_save=true", prelude=SLOW_WRITE_THEN_SIGTERM)
     assert run.rc == 143, run.stderr[-3000:]
-    assert "SIGTERM: the checkpoint being written is complete; stopping before step 6" in run.stderr
+    assert run.last_line.startswith("stopped: SIGTERM after step 5; last "
+                                    f"checkpoint {ck}/iter_0000004; resume: the same command with "
+                                    f"checkpoint.load=latest checkpoint.dir={ck}"), run.last_line
     assert (ck / "latest").read_text() == "iter_0000004" and manifest_problem(ck / "iter_0000004") is None
 
 
@@ -168,3 +170,34 @@ def test_checkpoint_tensor_sizes_counts_weights_main_params_and_moments_once():
     # moments each; torch keeps each parameter's step count as a one-float tensor
     assert sorted(checkpoint_tensor_sizes(model, wrapper, device_type="cpu")) == [4, 4, 12, 12, 12, 48, 48, 48]
     assert checkpoint_tensor_sizes(model, wrapper, device_type="cuda") == []  # nothing to stage from a GPU
+
+
+# the save at step 2 takes a few seconds in its writer process, so the one due at step 4 finds it
+# still writing
+SLOW_FIRST_WRITE = """
+import functools, time
+from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+real = fa._write_item
+@functools.wraps(real)
+def slow(*args, **kwargs):
+    stream = next(a for a in args if hasattr(a, "write"))
+    if "iter_0000002" in str(getattr(stream, "name", "")) and not getattr(slow, "slept", False):
+        slow.slept = True
+        time.sleep(8)
+    return real(*args, **kwargs)
+fa._write_item = slow
+"""
+
+
+def test_a_save_due_while_the_previous_one_writes_is_deferred_with_one_warning(tmp_path):
+    ck = tmp_path / "ck"
+    run = run_cli(tmp_path, "train.iters=6", "checkpoint.interval=2", f"checkpoint.dir={ck}",
+                  "checkpoint.async_save=true", prelude=SLOW_FIRST_WRITE)
+    assert run.rc == 0, run.stderr[-3000:]
+    deferred = [x for x in run.stderr.splitlines() if "deferred: the previous save (iter_0000002) is still" in x]
+    assert len(deferred) == 1 and "checkpoint due at step 4 deferred" in deferred[0], run.stderr[-3000:]
+    later = [x for x in run.stderr.splitlines() if "checkpoint due at step 4: saved at step" in x]
+    assert len(later) == 1 or not (ck / "iter_0000004").exists()  # at step 5, or folded into the final save
+    assert (ck / "latest").read_text() == "iter_0000006" and manifest_problem(ck / "iter_0000006") is None
+    rates = [x for x in run.stderr.splitlines() if "GB/s" in x and "writer threads" in x]
+    assert rates, run.stderr[-3000:]  # the writer process reports each write's rate

@@ -5,7 +5,9 @@ from non-finite weights."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,11 +48,15 @@ def test_nan_steps_are_skipped_counted_and_stop_the_run(tmp_path, optimizer):
     assert first_bad >= 2
     assert rows[first_bad - 2]["loss"] is not None and math.isfinite(rows[first_bad - 2]["loss"])
 
-    # what the checkpoints hold: finite weights and moments only, and `latest` names one of them
+    # what the checkpoints hold: finite weights and moments only; `latest` names one of them, and
+    # the last good one named in the line (pruning keeps it) had normal losses and grad norms
     latest = (ck / "latest").read_text()
-    assert latest in line
     kept = sorted(p.name for p in ck.glob("iter_*"))
     assert latest in kept
+    good = Path(line.split("last good checkpoint: ")[1].split(";")[0])
+    assert good.name in kept
+    state = json.loads((good / "trainer_state.json").read_text())
+    assert state["normal"] and all(math.isfinite(loss) and math.isfinite(g) for _, loss, g in state["history"])
     for name in kept:
         assert all_finite(checkpoint_tensors(ck / name)), name
 
@@ -152,3 +158,35 @@ def test_flat_adamw_kernel_skips_on_the_device_flag_in_the_interpreter():
     for name in ("kernel", "reference"):
         assert got[name]["unchanged"] and got[name]["zeroed"] and got[name]["updated"], (name, got[name])
     assert max(abs(a - b) for a, b in zip(got["kernel"]["p"], got["reference"]["p"])) < 1e-6
+
+
+def test_last_good_checkpoint_is_the_last_one_whose_losses_were_normal():
+    """Under a too-short warm-up a run diverges with finite, exploding numbers before the first
+    NaN: the checkpoint written then is not "good", the one before is (kept in trainer state)."""
+    from types import SimpleNamespace
+
+    from multimodal.nonfinite import NonFiniteGuard
+
+    def guard():
+        return NonFiniteGuard(SimpleNamespace(chained_optimizers=[], get_grad_norm=lambda: 1.0), "skip", 10,
+                              torch.device("cpu"))
+
+    g = guard()
+    for it, (loss, norm) in enumerate([(7.0, 5.0), (6.5, 4.0), (6.0, 4.5), (5.8, 4.2)], start=1):
+        g.record(it, loss, norm)
+    state = g.checkpoint_state()
+    assert state["normal"] and len(state["history"]) == 4
+    g.saved("ck/iter_0000004", state)
+    g.record(5, 9.0, 400.0)  # finite, a hundred times the grad norm so far
+    g.record(6, 30.0, 5e4)
+    state = g.checkpoint_state()
+    assert not state["normal"] and state["last_normal"] == "ck/iter_0000004"
+    g.saved("ck/iter_0000006", state)
+    assert g.last_good == "ck/iter_0000004"
+    _, error = g.review(7, [10.0, 10.0, 7.0, float("nan"), float("nan")])  # max_nonfinite_steps reached
+    assert "last good checkpoint: ck/iter_0000004" in str(error)
+    resumed = guard()  # from the later checkpoint: the good one is still the earlier one
+    resumed.resume(state, "ck/iter_0000006")
+    assert resumed.last_good == "ck/iter_0000004"
+    g.record(7, float("nan"), float("nan"))
+    assert not g.checkpoint_state()["normal"]
