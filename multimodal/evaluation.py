@@ -155,4 +155,5 @@ class Evaluator:
             self._told_blank = True
             log.warning("validation: the %d samples of the validation set end before train.eval_iters=%d global "
                         "batch(es); %d row(s) on this rank were blank (each sample counts once, none repeats); "
-                        "lower train.eval_iters to skip them", len(self.dataset), self.iters, loader.blank_rows)
+                        "they cost compute and score nothing: add samples or lower train.eval_iters",
+                        len(self.dataset), self.iters, loader.blank_rows)
