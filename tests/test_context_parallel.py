@@ -144,6 +144,8 @@ def _torchrun(nproc: int, *args: str, interpret: bool = False) -> None:
 def _compare(single: dict, parallel: dict) -> None:
     torch.testing.assert_close(parallel["losses"], single["losses"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(parallel["loss"], single["loss"], rtol=1e-6, atol=1e-4)
+    if single.get("mtp") is not None:  # the MTP loss sum and its token count
+        torch.testing.assert_close(parallel["mtp"], single["mtp"], rtol=1e-6, atol=1e-4)
     for name, g in single["grads"].items():
         assert g.abs().sum() > 0 or "bias" in name, name  # the comparison covers real gradients
         # fp32 sums in another order (4-rank all-reduces; the vision tower on a subset of the images
@@ -155,12 +157,13 @@ def _compare(single: dict, parallel: dict) -> None:
 # heads and 2 KV groups, so CP=4 also exercises the KV-head repeat.
 CP4 = ("model.linear_num_key_heads=4", "model.linear_num_value_heads=8")
 FUSED = ("model.gdn_pre_impl=fused", "model.fused_mrope=true")  # fused pre-GDR on head groups, MRoPE
+MTP = ("model.mtp_num_layers=1",)  # the shifted MTP inputs split over CP like the tokens
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cp,layout,overrides", [(2, "thd", ()), (2, "bshd", ()), (4, "thd", CP4),
+@pytest.mark.parametrize("cp,layout,overrides", [(2, "thd", MTP), (2, "bshd", ()), (4, "thd", CP4),
                                                  (4, "thd-split-vision", CP4), (2, "thd", FUSED)],
-                         ids=["cp2-thd", "cp2-bshd", "cp4-thd", "cp4-split-vision", "cp2-fused"])
+                         ids=["cp2-thd-mtp", "cp2-bshd", "cp4-thd", "cp4-split-vision", "cp2-fused"])
 def test_context_parallel_matches_one_process(tmp_path, cp, layout, overrides):
     init = tmp_path / "init.pt"
     flags = {"bshd": ["--bshd"], "thd-split-vision": ["--split-vision"]}.get(layout, [])

@@ -4,6 +4,7 @@ transformers' Qwen3.5 modules, packed vs unpacked, freezing, and a short proxy r
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from helpers.proxy_fixtures import ROW, proxy_model
@@ -69,7 +70,7 @@ def _randomize_mtp_norms(model):
                 p.add_(0.2 * torch.randn(p.shape, generator=g))
 
 
-def _hf_mtp_reference(cfg, model):
+def _hf_mtp_reference(cfg, model, depth: int = 0):
     """vLLM's Qwen3_5MultiTokenPredictor written with transformers' Qwen3.5 modules (RMSNorm,
     decoder layer, MRoPE), loaded from our MTP weights; -> callable(embeds, hidden, positions)."""
     from transformers import Qwen3_5TextConfig
@@ -80,7 +81,8 @@ def _hf_mtp_reference(cfg, model):
     m = cfg.model
     text = Qwen3_5TextConfig(**hf_config_from_ours(m)["text_config"])
     text._attn_implementation = "sdpa"  # no mask given: causal
-    sd = {n.split("mtp.layers.0.", 1)[1]: t for n, t in model.state_dict().items() if ".mtp.layers.0." in n}
+    p = f".mtp.layers.{depth}."
+    sd = {n.split(p, 1)[1]: t for n, t in model.state_dict().items() if p in n}
     norms = {k: hf.Qwen3_5RMSNorm(m.hidden_size, eps=m.rms_norm_eps) for k in ("enorm", "hnorm", "final_layernorm")}
     for k, norm in norms.items():
         norm.weight.data.copy_(sd[f"{k}.weight"])
@@ -120,30 +122,36 @@ def _capture(model):
     return seen
 
 
-def test_forward_and_loss_match_a_reference_from_vllm(mcore):
-    cfg, model = proxy_model(["model.mtp_num_layers=1"])
+@pytest.mark.parametrize("depth", [1, 2])
+def test_forward_and_loss_match_a_reference_from_vllm(mcore, depth):
+    cfg, model = proxy_model([f"model.mtp_num_layers={depth}"])
     _randomize_mtp_norms(model)
     seen = _capture(model)
     batch = _packed(cfg, _samples(cfg, (0, 1, 2)))
     loss, report = _run(cfg, model, batch)
-    reference = _hf_mtp_reference(cfg, model)
+    references = [_hf_mtp_reference(cfg, model, k) for k in range(depth)]
     emb = model.language_model.embedding.word_embeddings.weight  # tied: the LM head too
     cu = batch["cu_seqlens"].tolist()
-    total, count = 0.0, 0.0
+    sums, counts = [0.0] * depth, [0.0] * depth
     with torch.no_grad():
         for a, b in zip(cu[:-2], cu[1:-1]):  # every sample (the last segment is the row's tail padding)
-            # depth 1 at t: embedding of token t+1, hidden h_t, position of t; predicts token t+2
-            h = reference(seen["emb"][a + 1:b, 0], seen["h0"][a:b - 1, 0], batch["position_ids"][:, 0, a:b - 1])
-            ce = torch.nn.functional.cross_entropy(h @ emb.T, batch["labels"][0, a + 1:b].clamp(min=0),
-                                                   reduction="none")
-            mask = batch["loss_mask"][0, a + 1:b]
-            total, count = total + (ce * mask).sum(), count + mask.sum()
-    assert count > 0 and int(report["mtp loss"][1]) == int(count)
-    torch.testing.assert_close(report["mtp loss"][0], total, rtol=1e-5, atol=1e-5)
-    # the LM loss sum gains scale x (LM tokens / MTP tokens) x the MTP sum (megatron's per-token form)
+            h = seen["h0"][a:b, 0]
+            for k in range(1, depth + 1):
+                # depth k at t: embedding of token t+k, hidden of depth k-1 at t, MRoPE position of t;
+                # predicts token t+k+1 (labels[t+k])
+                h = references[k - 1](seen["emb"][a + k:b, 0], h[:b - a - k], batch["position_ids"][:, 0, a:b - k])
+                ce = torch.nn.functional.cross_entropy(h @ emb.T, batch["labels"][0, a + k:b].clamp(min=0),
+                                                       reduction="none")
+                mask = batch["loss_mask"][0, a + k:b]
+                sums[k - 1] += (ce * mask).sum()
+                counts[k - 1] += mask.sum()
+    assert min(counts) > 0 and int(report["mtp loss"][1]) == int(sum(counts))
+    torch.testing.assert_close(report["mtp loss"][0], sum(sums), rtol=1e-5, atol=1e-5)
+    # the LM loss sum gains scale/D x (LM tokens / depth-k tokens) x each depth's sum (megatron's
+    # per-token form: one division by the LM token count gives scale x the mean MTP loss)
     lm = report["lm loss"]
-    torch.testing.assert_close(loss.detach() - lm[0], cfg.model.mtp_loss_scale * lm[1] / count * total,
-                               rtol=1e-5, atol=1e-5)
+    term = sum(cfg.model.mtp_loss_scale / depth * lm[1] / c * s for s, c in zip(sums, counts))
+    torch.testing.assert_close(loss.detach() - lm[0], term, rtol=1e-5, atol=1e-5)
 
 
 def test_freeze_mtp_and_lora_cover_the_head(mcore):
@@ -165,3 +173,28 @@ def test_freeze_mtp_and_lora_cover_the_head(mcore):
     mtp = [n for n in trainable if ".mtp." in n]
     decoder_attn = [n for n in trainable if "decoder.layers.3." in n]
     assert mtp and len(mtp) == len(decoder_attn)  # the same adapters as a full-attention decoder layer
+
+
+def test_packed_and_unpacked_mtp_losses_are_equal(mcore):
+    cfg, model = proxy_model(["model.mtp_num_layers=1"])
+    _randomize_mtp_norms(model)
+    m = cfg.model
+    samples = _samples(cfg, (0, 1, 2))
+    packed = _packed(cfg, samples)
+    padded = pad_bshd(samples, 256, m.pad_token_id, m.image_token_id, m.vision.spatial_merge_size)
+    _, rp = _run(cfg, model, packed)
+    _, ru = _run(cfg, model, padded)
+    assert int(rp["mtp loss"][1]) == int(ru["mtp loss"][1]) > 0
+    torch.testing.assert_close(rp["mtp loss"], ru["mtp loss"], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(rp["lm loss"], ru["lm loss"], rtol=1e-5, atol=1e-4)
+
+
+def test_dry_run_counts_the_mtp_parameters(mcore):
+    from models.qwen35_vl.param_counts import stage_params
+
+    for overrides in (["model.mtp_num_layers=1"], ["model.mtp_num_layers=2"]):
+        cfg, model = proxy_model(overrides)
+        assert stage_params(cfg.model).parts["mtp"] == sum(p.numel() for n, p in model.named_parameters()
+                                                           if ".mtp." in n)
+    cfg, model = proxy_model(["model.mtp_num_layers=1"], config="configs/qwen35_vl_proxy_moe.yaml")
+    assert stage_params(cfg.model).parts["mtp"] == sum(p.numel() for n, p in model.named_parameters() if ".mtp." in n)

@@ -7,7 +7,9 @@ Every rank builds the proxy model, loads INIT.pt (written by the first, CP=1 run
 layouts start from the same weights), takes its share of the batch, and runs forward and
 backward of the summed masked loss. Rank 0 writes the full-length per-token losses (gathered
 over CP with ``gather_sequence``), the summed loss, and every parameter's gradient summed over
-the CP ranks (what DDP's all-reduce over the data x context group produces).
+the CP ranks (what DDP's all-reduce over the data x context group produces). With
+model.mtp_num_layers the batch goes through the trainer's ForwardStep and loss (the summed loss
+then holds the MTP term), and rank 0 also writes the MTP [loss sum, tokens] summed over CP.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def main() -> None:
     from models import get_model_builder
     from multimodal.config import load_config
     from models.common.cp_collectives import gather_sequence
-    from multimodal.forward_step import packed_seq_params, partition_batch, vision_gather
+    from multimodal.forward_step import ForwardStep, packed_seq_params, partition_batch, vision_gather
     from multimodal.platform import init_distributed
     from core.seeding import seed_everything
 
@@ -67,15 +69,25 @@ def main() -> None:
         batch = pad_bshd(samples, 256, **kw)
     else:
         batch = pack_thd(samples, 512, pad_multiple=PAD_MULTIPLE, **kw)
+    whole = batch
     if cp > 1:
         batch = partition_batch(batch, cp, ps.get_context_parallel_rank(), m.image_token_id,
                                 split_vision=args.split_vision, merge=m.vision.spatial_merge_size)
     params = packed_seq_params(batch, ps.get_context_parallel_group())
-    losses = model(batch["tokens"], batch["position_ids"], labels=batch["labels"],
-                   pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
-                   packed_seq_params=params, image_feature_index=batch.get("image_feature_index"),
-                   vision_gather=vision_gather(batch, ps.get_context_parallel_group()))
-    loss = (losses * batch["loss_mask"]).sum()
+    mtp = None
+    if m.mtp_num_layers:  # through the trainer's ForwardStep, which shifts the MTP inputs before the split
+        step = ForwardStep(torch.device("cpu"), torch.float32, cp_size=cp, cp_rank=ps.get_context_parallel_rank(),
+                           cp_group=ps.get_context_parallel_group(), image_token_id=m.vision_token_ids,
+                           cp_split_vision=args.split_vision, merge=m.vision.spatial_merge_size)
+        losses, loss_fn = step(iter([whole]), model)
+        loss, _, report = loss_fn(losses)
+        mtp = report["mtp loss"]
+    else:
+        losses = model(batch["tokens"], batch["position_ids"], labels=batch["labels"],
+                       pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
+                       packed_seq_params=params, image_feature_index=batch.get("image_feature_index"),
+                       vision_gather=vision_gather(batch, ps.get_context_parallel_group()))
+        loss = (losses * batch["loss_mask"]).sum()
     loss.backward()
     full_losses = gather_sequence(losses, params) if cp > 1 else losses.detach()
     grads = {}
@@ -87,8 +99,10 @@ def main() -> None:
     total = loss.detach().clone()
     if cp > 1:
         dist.all_reduce(total, group=ps.get_context_parallel_group())
+        if mtp is not None:
+            dist.all_reduce(mtp, group=ps.get_context_parallel_group())
     if dist.get_rank() == 0:
-        torch.save({"losses": full_losses, "loss": total, "grads": grads}, args.out)
+        torch.save({"losses": full_losses, "loss": total, "grads": grads, "mtp": mtp}, args.out)
     ps.destroy_model_parallel()
 
 
