@@ -244,7 +244,7 @@ class AsyncSaves:
     def due(self, it: int, due: bool, final: bool) -> bool:
         """Whether to save at step ``it``: a due save is deferred while the previous one is still
         being written (training goes on instead of waiting for the disk), and made at the first
-        step after that write is done. The final save always runs (``submit`` waits)."""
+        step after that write is done. At the last step a due or deferred save runs (``submit`` waits)."""
         if final and (due or self.deferred is not None):
             self.deferred = None
             return True

@@ -513,7 +513,7 @@ def check_loadable(path: Path, model, model_config: dict | None = None, trust: b
     trainer_state. Raises CheckpointError naming the file (and the previous complete checkpoint) or
     the tensors. ``trust=False``: a checkpoint without this framework's manifest is refused before
     torch's reader unpickles anything of it."""
-    problem = checks.manifest_problem(path)
+    problem = checks.manifest_problem(path, verify=False) or _checksums_shared(path)
     if problem is not None:
         raise checks.corrupt(path, problem)
     if not trust and (why := checks.untrusted(path)) is not None:
@@ -533,6 +533,21 @@ def check_loadable(path: Path, model, model_config: dict | None = None, trust: b
     if mismatch is not None:
         raise mismatch
     return trainer
+
+
+def _checksums_shared(path: Path) -> str | None:
+    """The checksum check of a load, its files shared out among the ranks (each would otherwise
+    read the whole checkpoint); every rank gets the first problem any of them found."""
+    files = checks.read_manifest(path)  # readable: manifest_problem checked it
+    if not files:
+        return None
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    mine = checks.checksum_problem(path, files, (rank, world))
+    if world == 1:
+        return mine
+    found = [None] * world
+    dist.all_gather_object(found, mine)
+    return next((p for p in found if p), None)
 
 
 SCHEDULE_FIELDS = {"max_lr": "optimizer.lr", "min_lr": "optimizer.min_lr", "lr_warmup_steps": "optimizer.warmup_iters",

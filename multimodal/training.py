@@ -382,7 +382,7 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
                 clock.mark()  # the evaluation's time stays out of the next log window's step time
             due = ck.dir and ((ck.interval and it % ck.interval == 0) or (it == t.iters and ck.save_at_end))
             if saves is not None:  # a save due while the previous one is still writing waits for a later step
-                due = saves.due(it, bool(due), final=it == t.iters and ck.save_at_end)
+                due = saves.due(it, bool(due), final=it == t.iters)
             if due:
                 if overlap is not None:
                     overlap.finish()  # the saved parameters and moments are this step's

@@ -215,13 +215,14 @@ def test_a_fresh_run_into_an_old_checkpoint_dir_is_refused_in_one_line(tmp_path,
 def test_overwrite_writes_beside_an_old_run_and_prunes_only_its_own(tmp_path, good_checkpoints):
     """checkpoint.overwrite=true, keep_last=1: the old run's iter_0000004 stays, this run's iter_0000001
     is pruned, its iter_0000002 replaces the old one of that number, and `latest` names it. The
-    earlier run's metrics.jsonl in the same logging.dir is kept as metrics.1.jsonl."""
+    earlier run's metrics.jsonl in the same logging.dir is kept as metrics.1.jsonl. The same
+    settings and schedule as the earlier run: a deterministic repeat, same losses bit for bit."""
     ck = _copy(good_checkpoints, tmp_path / "ck")
     old_rows = (good_checkpoints.parent / "metrics.jsonl").read_text()
     (tmp_path / "log").mkdir()
     (tmp_path / "log" / "metrics.jsonl").write_text(old_rows)
-    run = run_cli(tmp_path / "log", "train.iters=2", "checkpoint.interval=1", "checkpoint.keep_last=1",
-                  f"checkpoint.dir={ck}", "checkpoint.overwrite=true")
+    run = run_cli(tmp_path / "log", "train.iters=2", "optimizer.decay_iters=4", "checkpoint.interval=1",
+                  "checkpoint.keep_last=1", f"checkpoint.dir={ck}", "checkpoint.overwrite=true")
     assert run.rc == 0, run.stderr[-3000:]
     assert "checkpoint.overwrite=true" in run.stderr and "holds another run's checkpoints" in run.stderr
     assert sorted(p.name for p in ck.iterdir()) == ["iter_0000002", "iter_0000004", "latest"]
@@ -230,6 +231,8 @@ def test_overwrite_writes_beside_an_old_run_and_prunes_only_its_own(tmp_path, go
         json.loads((ck / "iter_0000004" / "trainer_state.json").read_text())["run_id"]
     assert (tmp_path / "log" / "metrics.1.jsonl").read_text() == old_rows
     assert [r["step"] for r in run.rows()] == [1, 2]
+    old = [json.loads(line) for line in old_rows.splitlines()][:2]
+    assert [(r["loss"], r["grad_norm"]) for r in run.rows()] == [(r["loss"], r["grad_norm"]) for r in old]
     assert "kept as" in run.stderr and "metrics.1.jsonl" in run.stderr
     # the run's last line says where everything is
     done = next(x for x in run.stderr.splitlines() if " done: steps 1-2 in " in x)
