@@ -226,3 +226,51 @@ def test_conversations_dataset_reads_tool_use_records(tmp_path, tok, caplog):
     assert [ds[i] for i in (2, 3, 4)] == [None] * 3
     assert ds.skipped == {"bad_record": 2, "unknown_role": 1}
     assert "tools is not JSON" in caplog.text and "needs a function name" in caplog.text
+
+
+def test_datasets_folder_of_tool_use_records_reads_as_the_jsonl(tmp_path, tok):
+    """A datasets folder (arrow and parquet) of tool-use records in OpenAI's form (tools and
+    arguments as JSON strings, one column type for all records) gives the JSONL's samples: the
+    None that a table puts in absent keys (tool_calls of other messages, a call's missing fields)
+    changes nothing."""
+    import datasets
+    import torch
+
+    from data.conversations import ConversationsDataset
+    from models.qwen35_vl.config import ModelConfig
+    from multimodal.config import DataConfig
+
+    def openai(msgs):
+        out = []
+        for m in copy.deepcopy(msgs):
+            for call in m.get("tool_calls", []):
+                if "function" not in call:
+                    call["function"] = {"name": call.pop("name"), "arguments": call.pop("arguments")}
+                call["type"] = "function"
+                call["function"]["arguments"] = json.dumps(call["function"]["arguments"])
+            out.append(m)
+        return out
+
+    records = [{"tools": json.dumps(TOOLS), "messages": openai(CASES[c])}
+               for c in ("one_call", "parallel_calls", "several_rounds", "reasoning_before_a_call")]
+    ids = special_token_ids(tok)
+
+    def ds(path):
+        return ConversationsDataset(ModelConfig(vocab_size=512, **ids), DataConfig(name="conversations", path=str(path)),
+                                    4096, tok)
+
+    jsonl = tmp_path / "tools.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in records))
+    table = datasets.Dataset.from_list(records)
+    table.save_to_disk(str(tmp_path / "arrow"))
+    (tmp_path / "parquet").mkdir()
+    table.to_parquet(str(tmp_path / "parquet" / "train-00000.parquet"))
+    want = ds(jsonl)
+    for folder in ("arrow", "parquet"):
+        got = ds(tmp_path / folder)
+        for i, record in enumerate(records):
+            assert torch.equal(got[i]["input_ids"], want[i]["input_ids"]), (folder, i)
+            assert torch.equal(got[i]["loss_mask"], want[i]["loss_mask"]), (folder, i)
+        assert not got.skipped
+    plain = encode_conversation(tok, CASES["several_rounds"], [], ids, tools=TOOLS)[0]
+    assert want[2]["input_ids"].tolist() == plain
