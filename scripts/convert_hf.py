@@ -29,15 +29,20 @@ holds, with the same A and that module's rows of B) to load with
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
+import logging
 import sys
 from pathlib import Path
 
-import torch
+from core import console
 
+# before torch and megatron are imported: their import-time warnings are held back too
+console.quiet_dependency_warnings("--verbose" in sys.argv)
 
-from core.errors import ConfigError  # noqa: E402
+import torch  # noqa: E402
+
+from core.errors import ConfigError, one_line  # noqa: E402
+from core.safetensors_io import SafetensorsFolder, parse_size  # noqa: E402
 from models import DEFAULT_MODEL, family_for_hf_config, get_hf_adapter, get_model_family  # noqa: E402
 from models.common.model_config import LoRAConfig, ModelConfig  # noqa: E402
 from models.common.parallel_config import ParallelConfig  # noqa: E402
@@ -45,6 +50,8 @@ from multimodal.config import load_config, validate_layout  # noqa: E402
 
 MODEL_CONFIG_FILE = "model_config.json"
 HF_CONFIG_FILE = "hf_config.json"
+DEFAULT_SHARD = "5GB"
+log = logging.getLogger("convert_hf")
 
 
 def _init():
@@ -62,23 +69,20 @@ def _build(m: ModelConfig):
     return get_model_family(m.name).build(m, ParallelConfig(), torch.float32)
 
 
-def do_import(hf_dir: str, out: str, tp: int, pp: int, ep: int) -> Path:
-    from multimodal import checkpointing
+def do_import(hf_dir: str, out: str, tp: int, pp: int, ep: int, workers: int = 1) -> Path:
+    from multimodal import hf_convert
 
-    hf = get_hf_adapter(family_for_hf_config(hf_dir))
+    family = family_for_hf_config(hf_dir)
+    hf = get_hf_adapter(family)
     m = hf.model_config_from_hf(hf_dir)
     validate_layout(m, ParallelConfig(tp=tp, pp=pp, ep=ep))
     if m.num_layers % pp:
         raise ValueError(f"--pp {pp} does not divide the {m.num_layers} decoder layers")
     _init()
-    model = _build(m)
-    state = hf.load_hf_state_dict(hf_dir)
-    hf.load_full_state_dict(model, hf.hf_to_ours(state, m))
-    dtype = next(iter(state.values())).dtype
-    meta = {MODEL_CONFIG_FILE: json.dumps(dataclasses.asdict(m), indent=1),
-            HF_CONFIG_FILE: (Path(hf_dir) / "config.json").read_text()}
-    extra = {"source": str(hf_dir), "hf_dtype": str(dtype).replace("torch.", "")}
-    return checkpointing.save_weights(out, model, extra, meta)
+    final, stats = hf_convert.import_hf(hf_dir, out, hf, family, workers)
+    log.info("imported %d tensors, %.2f GB in %.1f s (%.2f GB/s) -> %s", stats["tensors"], stats["bytes"] / 1e9,
+             stats["seconds"], stats["gb_per_s"], final)
+    return final
 
 
 def _recorded_model_config(ckpt: Path) -> dict | None:
@@ -143,55 +147,134 @@ def _write_peft_adapter(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], 
     return outd
 
 
-def do_export(ckpt: str, out: str, recipe: str | None, dtype: str, merge_lora: bool = False,
-              adapter_only: bool = False) -> Path:
-    from megatron.core import dist_checkpointing
+def _source_folder(path: Path, m) -> SafetensorsFolder | None:
+    """The HF folder a checkpoint came from (model.hf_config, or the import's source), if still there."""
+    trainer = json.loads((path / "trainer_state.json").read_text())
+    for candidate in (getattr(m, "hf_config", None), trainer.get("source")):
+        if candidate and Path(candidate).is_dir():
+            try:
+                return SafetensorsFolder(candidate)
+            except FileNotFoundError:
+                continue
+    return None
+
+
+def _export_in_memory(path: Path, m, hf, out: str, recipe: str | None, target, merge_lora: bool,
+                      adapter_only: bool) -> Path:
+    """LoRA exports: the model with its adapters, in one process (LoRA runs fit one host)."""
     from safetensors.torch import save_file
 
-    from models.common.lora import is_adapter_param, merged_state_dict
+    from core.safetensors_io import write_shard
+    from models.common.lora import merged_state_dict
     from multimodal import checkpointing
     from multimodal.lora import apply_lora
 
-    path = checkpointing.resolve(ckpt, None)
-    m = model_config_of_checkpoint(path, recipe)
-    hf = get_hf_adapter(get_model_family(m.name))  # before anything is built: a family without one is refused
-    _init()
     model = _build(m)
-    has_adapters = any(is_adapter_param(k) for k in dist_checkpointing.load_tensors_metadata(str(path)))
-    if has_adapters and not (merge_lora or adapter_only):
-        raise ValueError(f"{path} holds LoRA adapters: pass --merge-lora to fold them into the exported weights "
-                         "(or --adapter-only for a PEFT adapter)")
-    if merge_lora or adapter_only:
-        if not has_adapters:
-            raise ValueError(f"--merge-lora / --adapter-only: {path} holds no LoRA adapters")
-        lora = lora_config_of_checkpoint(path, recipe)
-        apply_lora(model, lora)
+    lora = lora_config_of_checkpoint(path, recipe)
+    apply_lora(model, lora)
     checkpointing.load_weights(path, model)
     state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     if adapter_only:
         return _write_peft_adapter(hf.lora_to_hf(state, m), lora, Path(out))
-    if merge_lora:
-        state = merged_state_dict(state, lora.alpha / lora.rank)
-    weights = hf.ours_to_hf(state, m)
-    trainer = json.loads((path / "trainer_state.json").read_text())
-    target = {"fp32": torch.float32, "bf16": torch.bfloat16, "auto": getattr(torch, trainer.get("hf_dtype", "float32"))}[dtype]
-    weights = {k: t.detach().to(target).contiguous() for k, t in weights.items()}
+    state = merged_state_dict(state, lora.alpha / lora.rank)
+    weights = {k: t.detach().to(target or t.dtype).contiguous() for k, t in hf.ours_to_hf(state, m).items()}
     if m.tie_word_embeddings:
         weights.pop("lm_head.weight", None)
     outd = Path(out)
     outd.mkdir(parents=True, exist_ok=True)
-    save_file(weights, str(outd / "model.safetensors"), metadata={"format": "pt"})
+    del save_file
+    write_shard(outd / "model.safetensors", weights)
+    return outd
+
+
+def do_export(ckpt: str, out: str, recipe: str | None, dtype: str, merge_lora: bool = False,
+              adapter_only: bool = False, workers: int = 1, shard_size: str | None = None,
+              drop_mtp: bool = False) -> Path:
+    from megatron.core import dist_checkpointing
+
+    from models.common.lora import is_adapter_param
+    from multimodal import checkpointing, hf_convert
+
+    path = checkpointing.resolve(ckpt, None)
+    m = model_config_of_checkpoint(path, recipe)
+    family = get_model_family(m.name)
+    hf = get_hf_adapter(family)  # before anything is built: a family without one is refused
+    _init()
+    has_adapters = any(is_adapter_param(k) for k in dist_checkpointing.load_tensors_metadata(str(path)))
+    if has_adapters and not (merge_lora or adapter_only):
+        raise ValueError(f"{path} holds LoRA adapters: pass --merge-lora to fold them into the exported weights "
+                         "(or --adapter-only for a PEFT adapter)")
+    if (merge_lora or adapter_only) and not has_adapters:
+        raise ValueError(f"--merge-lora / --adapter-only: {path} holds no LoRA adapters")
+    trainer = json.loads((path / "trainer_state.json").read_text())
+    recorded = trainer.get("hf_dtype")
+    target = {"fp32": torch.float32, "bf16": torch.bfloat16,
+              "auto": getattr(torch, recorded) if recorded else None}[dtype]
     if (path / HF_CONFIG_FILE).is_file():  # keep the original config (tokens, extra fields) verbatim
         cfg = json.loads((path / HF_CONFIG_FILE).read_text())
     else:
         cfg = hf.hf_config_from_ours(m)
-    cfg["dtype"] = str(target).replace("torch.", "")
+    source = _source_folder(path, m)
+    text = cfg.get("text_config", cfg)
+    source_mtp = int(text.get("mtp_num_hidden_layers", 0) or 0)
+    ours_mtp = int(getattr(m, "mtp_num_layers", 0) or 0)
+    carry = None
+    if source_mtp and not ours_mtp:
+        mtp_in_source = source is not None and any(n.startswith("mtp.") for n in source.names)
+        if mtp_in_source and not drop_mtp:
+            carry = source
+            log.info("the MTP head was not trained here (model.mtp_num_layers=0): its %d tensors are copied "
+                     "unchanged from %s", sum(n.startswith("mtp.") for n in source.names), source.path)
+        elif drop_mtp:
+            text["mtp_num_hidden_layers"] = 0
+            log.warning("--drop-mtp: the export has no MTP head (config.json mtp_num_hidden_layers=0)")
+        else:
+            raise ValueError(f"{path} has no MTP weights (model.mtp_num_layers=0) and the Hugging Face folder they "
+                             "came from is not at hand to copy them from; export with --drop-mtp to write a "
+                             "checkpoint without the MTP head, or keep the source folder at its recorded path")
+    if merge_lora or adapter_only:
+        outd = _export_in_memory(path, m, hf, out, recipe, target, merge_lora, adapter_only)
+        if adapter_only:
+            return outd
+        stats = None
+    else:
+        shard = parse_size(shard_size) if shard_size else (source.largest_file() if source is not None
+                                                           else parse_size(DEFAULT_SHARD))
+        stats = hf_convert.export_hf(path, out, m, hf, family, target, cfg, max(shard, 1), workers, carry)
+    outd = Path(out)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stored = {str(v.properties.dtype).replace("torch.", "") for v in
+              FileSystemReader(str(path)).read_metadata().state_dict_metadata.values() if hasattr(v, "properties")}
+    cfg["dtype"] = str(target).replace("torch.", "") if target is not None else sorted(stored)[0]
     (outd / "config.json").write_text(json.dumps(cfg, indent=2))
+    if source is not None:
+        copied = hf_convert.copy_processor_files(source.path, outd)
+        if copied:
+            log.info("copied %s from %s", ", ".join(copied), source.path)
+    if stats is not None:
+        _check_nothing_dropped(outd, source, drop_mtp)
+        log.info("exported %d tensors in %d shard(s), %.2f GB in %.1f s (%.2f GB/s) -> %s", stats["tensors"],
+                 stats["shards"], stats["bytes"] / 1e9, stats["seconds"], stats["gb_per_s"], outd)
     return outd
+
+
+def _check_nothing_dropped(outd: Path, source: SafetensorsFolder | None, drop_mtp: bool) -> None:
+    """Every tensor of the source checkpoint is in the export (the same names, or transformers'
+    fused expert names for the same weights)."""
+    if source is None:
+        return
+    written = set(SafetensorsFolder(outd).names)
+    fused = any(n.endswith("mlp.experts.gate_up_proj") for n in source.names)
+    lost = [n for n in source.names if n not in written and not (drop_mtp and n.startswith("mtp."))
+            and not (fused and ".mlp.experts." in n)]
+    if lost:
+        raise ValueError(f"the export lacks {len(lost)} tensor(s) of its source {source.path}, e.g. {lost[0]}")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--verbose", action="store_true", help="dependency warnings and the traceback of an error")
     sub = ap.add_subparsers(dest="cmd", required=True)
     imp = sub.add_parser("import", help="HF directory -> our weights-only checkpoint")
     imp.add_argument("--hf-dir", required=True)
@@ -199,27 +282,48 @@ def main(argv=None) -> int:
     imp.add_argument("--tp", type=int, default=1)
     imp.add_argument("--pp", type=int, default=1)
     imp.add_argument("--ep", type=int, default=1)
-    exp = sub.add_parser("export", help="our checkpoint -> HF directory (safetensors + config.json)")
+    imp.add_argument("--workers", type=int, default=4, help="threads writing files in parallel")
+    exp = sub.add_parser("export", help="our checkpoint -> HF directory (safetensors shards + index + config.json)")
     exp.add_argument("--ckpt", required=True, help="an iter_* directory or a checkpoint dir with 'latest'")
     exp.add_argument("--out", required=True)
     exp.add_argument("--config", help="recipe whose model section describes the checkpoint")
     exp.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16"],
-                     help="auto: the dtype of the imported HF checkpoint, else fp32")
+                     help="auto: the dtype of the imported HF checkpoint, else the checkpoint's own")
+    exp.add_argument("--workers", type=int, default=4, help="shards converted and written in parallel")
+    exp.add_argument("--shard-size", default=None,
+                     help=f"largest shard, e.g. 5GB (default: the source folder's largest file, else {DEFAULT_SHARD})")
+    exp.add_argument("--drop-mtp", action="store_true",
+                     help="write no MTP head when this checkpoint has none and its source folder is gone")
     exp.add_argument("--merge-lora", action="store_true",
                      help="fold the LoRA adapters of a model.lora run into the base weights")
     exp.add_argument("--adapter-only", action="store_true",
                      help="write only the LoRA adapters, as a PEFT adapter (HF module names) for the base checkpoint")
     args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("megatron").setLevel(logging.WARNING)
     try:
         if args.cmd == "import":
-            print(do_import(args.hf_dir, args.out, args.tp, args.pp, args.ep))
+            print(do_import(args.hf_dir, args.out, args.tp, args.pp, args.ep, args.workers))
         else:
-            print(do_export(args.ckpt, args.out, args.config, args.dtype, args.merge_lora, args.adapter_only))
-    except ConfigError as e:  # a model family without an HF adapter, an unknown model_type: one line
-        print(f"convert_hf.py: {e}", file=sys.stderr)
-        return e.exit_code
+            print(do_export(args.ckpt, args.out, args.config, args.dtype, args.merge_lora, args.adapter_only,
+                            args.workers, args.shard_size, args.drop_mtp))
+    except (ConfigError, ValueError, KeyError, FileNotFoundError, PermissionError) as e:
+        # what the user can fix (a family without an adapter, an unmapped tensor, a missing file): one line
+        if args.verbose:
+            import traceback
+
+            traceback.print_exc()
+        _held_summary()
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        return getattr(e, "exit_code", 2)
+    _held_summary()
     return 0
 
+
+def _held_summary() -> None:
+    held = console.summary()
+    if held:
+        log.info(held)
 
 if __name__ == "__main__":
     sys.exit(main())

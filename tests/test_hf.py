@@ -136,7 +136,7 @@ def test_convert_hf_refuses_a_family_without_a_hugging_face_adapter(tmp_path):
     (ckpt / "trainer_state.json").write_text("{}")
     (ckpt / "model_config.json").write_text(json.dumps({"name": "tiny_dense_vl"}))
     err = _refused("scripts/convert_hf.py", "export", "--ckpt", str(ckpt), "--out", str(tmp_path / "out"))
-    assert err == ("convert_hf.py: model tiny_dense_vl has no Hugging Face adapter (ModelFamily.hf_adapter); "
+    assert err == ("error: model tiny_dense_vl has no Hugging Face adapter (ModelFamily.hf_adapter); "
                    "Hugging Face conversion and comparison work for ['qwen35_vl']")
     assert not (tmp_path / "out").exists()
 
@@ -144,5 +144,5 @@ def test_convert_hf_refuses_a_family_without_a_hugging_face_adapter(tmp_path):
 def test_convert_hf_import_refuses_an_unknown_model_type(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     err = _refused("scripts/convert_hf.py", "import", "--hf-dir", str(tmp_path), "--out", str(tmp_path / "ckpt"))
-    assert err.startswith("convert_hf.py: Hugging Face model_type 'llama' is read by no registered model family; "
+    assert err.startswith("error: Hugging Face model_type 'llama' is read by no registered model family; "
                           "known: [")

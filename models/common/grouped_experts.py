@@ -127,7 +127,9 @@ class GroupedExperts(MegatronModule):
             raise ValueError(f"moe_ffn_hidden_size {f} is not divisible by the expert tensor-parallel size {etp}")
         f_local = f // etp
         on_cpu = config.use_cpu_initialization
-        device = "cpu" if on_cpu else torch.cuda.current_device()
+        # on CPU: the default device, so a model built under ``torch.device("meta")`` (streaming
+        # HF conversion) holds no expert memory
+        device = None if on_cpu else torch.cuda.current_device()
         w1 = torch.empty(num_local_experts, 2 * f_local, h, dtype=config.params_dtype, device=device)
         w2 = torch.empty(num_local_experts, h, f_local, dtype=config.params_dtype, device=device)
         if config.perform_initialization:

@@ -20,6 +20,7 @@ Fused / split tensors:
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -83,6 +84,9 @@ def model_config_from_hf(hf_dir: str | Path, base: ModelConfig | None = None) ->
             value = value[0]
         if isinstance(value, int):
             m[ours] = value
+    if "mtp_num_layers" in m:  # None in a recipe: as the checkpoint; 0 turns the head off
+        hf_mtp = int(t.get("mtp_num_hidden_layers", raw.get("mtp_num_hidden_layers", 0)) or 0)
+        m["mtp_num_layers"] = hf_mtp if base is None or m["mtp_num_layers"] is None else m["mtp_num_layers"]
     if m["num_experts"]:
         m["moe_router_topk"] = t["num_experts_per_tok"]
         m["moe_ffn_hidden_size"] = t["moe_intermediate_size"]
@@ -109,6 +113,135 @@ def model_config_from_hf(hf_dir: str | Path, base: ModelConfig | None = None) ->
 # ---------------------------------------------------------------- weights
 
 
+def _gdn_sizes(m: ModelConfig) -> list[int]:
+    qk = m.linear_num_key_heads * m.linear_key_head_dim
+    vd = m.linear_num_value_heads * m.linear_value_head_dim
+    return [2 * qk + vd, vd, m.linear_num_value_heads, m.linear_num_value_heads]
+
+
+@dataclass(frozen=True)
+class Source:
+    """How one of our (TP=1) tensors is made of HF tensors, and back.
+
+    kind: ``copy`` (one tensor), ``cat`` (concatenated on dim 0; ``sizes`` the row counts, None:
+    equal halves), ``qkv`` (attention q/gate, k, v regrouped per query group), ``experts_fc1`` /
+    ``experts_fc2`` (per-expert HF tensors stacked on a leading expert axis; fc1 is [gate | up]),
+    ``experts_fused`` (HF already stacks them, transformers' fused layout), ``patch`` (Conv3d
+    weight <-> flat linear). ``unit``: the group converted together (``embed``, ``layer.<i>``,
+    ``mtp.<k>``, ``vision``); a streaming conversion holds one unit at a time, never the model.
+    """
+
+    kind: str
+    hf: tuple[str, ...]
+    unit: str
+    sizes: tuple[int, ...] | None = None
+
+
+def _vision_pairs(m: ModelConfig) -> list[tuple[str, str]]:
+    """(our name, HF name) for vision tensors copied as they are (patch_embed is reshaped)."""
+    pairs = [("pos_embed.weight", "pos_embed.weight"), ("patch_embed.bias", "patch_embed.proj.bias")]
+    for i in range(m.vision.depth):
+        for ours, hf in [("norm1", "norm1"), ("norm2", "norm2"), ("qkv", "attn.qkv"), ("proj", "attn.proj"),
+                         ("fc1", "mlp.linear_fc1"), ("fc2", "mlp.linear_fc2")]:
+            for p in ("weight", "bias"):
+                pairs.append((f"blocks.{i}.{ours}.{p}", f"blocks.{i}.{hf}.{p}"))
+    for ours, hf in [("merger_norm", "merger.norm"), ("merger_fc1", "merger.linear_fc1"),
+                     ("merger_fc2", "merger.linear_fc2")]:
+        for p in ("weight", "bias"):
+            pairs.append((f"{ours}.{p}", f"{hf}.{p}"))
+    return pairs
+
+
+def _mlp_sources(o: str, h: str, m: ModelConfig, unit: str, fused_experts: bool) -> dict[str, Source]:
+    """The dense MLP, or the router, routed experts and shared expert of an MoE layer."""
+    def glu(ours: str, hf: str) -> dict[str, Source]:
+        return {f"{ours}.linear_fc1.weight": Source("cat", (f"{hf}.gate_proj.weight", f"{hf}.up_proj.weight"), unit),
+                f"{ours}.linear_fc2.weight": Source("copy", (f"{hf}.down_proj.weight",), unit)}
+
+    if not m.num_experts:
+        return glu(o, h)
+    out = {f"{o}.router.weight": Source("copy", (f"{h}.gate.weight",), unit)}
+    e = f"{h}.experts"
+    if fused_experts:  # transformers' own layout: [E, 2F, H] and [E, H, F], as ours
+        out[f"{o}.experts.linear_fc1.weight"] = Source("experts_fused", (f"{e}.gate_up_proj",), unit)
+        out[f"{o}.experts.linear_fc2.weight"] = Source("experts_fused", (f"{e}.down_proj",), unit)
+    else:
+        experts = range(m.num_experts)
+        out[f"{o}.experts.linear_fc1.weight"] = Source(
+            "experts_fc1", tuple(f"{e}.{j}.{p}.weight" for j in experts for p in ("gate_proj", "up_proj")), unit)
+        out[f"{o}.experts.linear_fc2.weight"] = Source(
+            "experts_fc2", tuple(f"{e}.{j}.down_proj.weight" for j in experts), unit)
+    if m.moe_shared_expert_intermediate_size:
+        out.update(glu(f"{o}.shared_experts", f"{h}.shared_expert"))
+        out[f"{o}.shared_experts.gate_weight"] = Source("copy", (f"{h}.shared_expert_gate.weight",), unit)
+    return out
+
+
+def _layer_sources(o: str, h: str, full_attention: bool, m: ModelConfig, unit: str,
+                   fused_experts: bool) -> dict[str, Source]:
+    """One decoder layer: ours under prefix ``o``, HF's under ``h``."""
+    out = {f"{o}.input_layernorm.weight": Source("copy", (f"{h}.input_layernorm.weight",), unit),
+           f"{o}.pre_mlp_layernorm.weight": Source("copy", (f"{h}.post_attention_layernorm.weight",), unit)}
+    if full_attention:
+        a, s = f"{h}.self_attn", f"{o}.self_attention"
+        out.update({
+            f"{s}.linear_qkv.weight": Source("qkv", (f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight"),
+                                             unit),
+            f"{s}.q_layernorm.weight": Source("copy", (f"{a}.q_norm.weight",), unit),
+            f"{s}.k_layernorm.weight": Source("copy", (f"{a}.k_norm.weight",), unit),
+            f"{s}.linear_proj.weight": Source("copy", (f"{a}.o_proj.weight",), unit)})
+    else:
+        a, s = f"{h}.linear_attn", f"{o}.self_attention"
+        out.update({
+            f"{s}.in_proj.weight": Source("cat", tuple(f"{a}.in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")), unit,
+                                          tuple(_gdn_sizes(m))),
+            f"{s}.conv1d.weight": Source("copy", (f"{a}.conv1d.weight",), unit),
+            f"{s}.A_log": Source("copy", (f"{a}.A_log",), unit),
+            f"{s}.dt_bias": Source("copy", (f"{a}.dt_bias",), unit),
+            f"{s}.out_norm.weight": Source("copy", (f"{a}.norm.weight",), unit),
+            f"{s}.out_proj.weight": Source("copy", (f"{a}.out_proj.weight",), unit)})
+    out.update(_mlp_sources(f"{o}.mlp", f"{h}.mlp", m, unit, fused_experts))
+    return out
+
+
+def mtp_layers(m: ModelConfig) -> int:
+    return int(getattr(m, "mtp_num_layers", 0) or 0)
+
+
+def _mtp_sources(m: ModelConfig, fused_experts: bool) -> dict[str, Source]:
+    """Qwen3.5's MTP head: one set of pre-fc norms, fc and final norm (``mtp.*``) around its decoder
+    layer(s) (``mtp.layers.<k>``, a gated full-attention layer); ours are megatron's MTP block names."""
+    out = {}
+    for k in range(mtp_layers(m)):
+        o, unit = f"language_model.mtp.layers.{k}", f"mtp.{k}"
+        out.update({f"{o}.enorm.weight": Source("copy", ("mtp.pre_fc_norm_embedding.weight",), unit),
+                    f"{o}.hnorm.weight": Source("copy", ("mtp.pre_fc_norm_hidden.weight",), unit),
+                    f"{o}.eh_proj.weight": Source("copy", ("mtp.fc.weight",), unit)})
+        out.update(_layer_sources(f"{o}.transformer_layer", f"mtp.layers.{k}", True, m, unit, fused_experts))
+        out[f"{o}.final_layernorm.weight"] = Source("copy", ("mtp.norm.weight",), unit)
+    return out
+
+
+def hf_sources(m: ModelConfig, fused_experts: bool = False) -> dict[str, Source]:
+    """Every tensor of our full (TP=1) model and the HF tensors it is made of, unit by unit."""
+    if mtp_layers(m) > 1:
+        raise ValueError(f"model.mtp_num_layers={mtp_layers(m)}: Qwen3.5 checkpoints hold one MTP layer's "
+                         "shared fc and norms; set model.mtp_num_layers to 0 or 1")
+    out = {"language_model.embedding.word_embeddings.weight": Source("copy", (f"{HF_PREFIX}embed_tokens.weight",),
+                                                                     "embed"),
+           "language_model.decoder.final_layernorm.weight": Source("copy", (f"{HF_PREFIX}norm.weight",), "embed")}
+    if not m.tie_word_embeddings:
+        out["language_model.output_layer.weight"] = Source("copy", ("lm_head.weight",), "embed")
+    for i in range(m.num_layers):
+        out.update(_layer_sources(f"language_model.decoder.layers.{i}", f"{HF_PREFIX}layers.{i}",
+                                  m.is_full_attention(i), m, f"layer.{i}", fused_experts))
+    out.update(_mtp_sources(m, fused_experts))
+    for ours, hf_name in _vision_pairs(m):
+        out[f"vision_model.{ours}"] = Source("copy", (HF_VISION + hf_name,), "vision")
+    out["vision_model.patch_embed.weight"] = Source("patch", (HF_VISION + "patch_embed.proj.weight",), "vision")
+    return out
+
+
 def _attn_qkv_from_hf(q_proj, k_proj, v_proj, m: ModelConfig) -> torch.Tensor:
     hd, nq, ng = m.head_dim, m.num_attention_heads, m.num_query_groups
     per = nq // ng
@@ -132,135 +265,68 @@ def _attn_qkv_to_hf(qkv, m: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, to
     return torch.stack([q, gate], 1).reshape(nq * 2 * hd, -1), k, v
 
 
-def _gdn_sizes(m: ModelConfig) -> list[int]:
-    qk = m.linear_num_key_heads * m.linear_key_head_dim
-    vd = m.linear_num_value_heads * m.linear_value_head_dim
-    return [2 * qk + vd, vd, m.linear_num_value_heads, m.linear_num_value_heads]
+def build_from_hf(src: Source, get, m: ModelConfig, experts: tuple[int, int] | None = None) -> torch.Tensor:
+    """Our tensor from its HF tensors (``get(name)``). ``experts=(lo, hi)``: only those experts of a
+    stacked expert weight (the rows a streaming conversion writes at once); other kinds ignore it."""
+    if src.kind == "copy":
+        return get(src.hf[0])
+    if src.kind == "cat":
+        return torch.cat([get(n) for n in src.hf])
+    if src.kind == "qkv":
+        return _attn_qkv_from_hf(*(get(n) for n in src.hf), m)
+    if src.kind == "patch":
+        w = get(src.hf[0])
+        return w.reshape(w.shape[0], -1)
+    lo, hi = experts or (0, m.num_experts)
+    if src.kind == "experts_fused":
+        return get(src.hf[0])[lo:hi]
+    if src.kind == "experts_fc1":
+        return torch.stack([torch.cat([get(src.hf[2 * j]), get(src.hf[2 * j + 1])]) for j in range(lo, hi)])
+    if src.kind == "experts_fc2":
+        return torch.stack([get(src.hf[j]) for j in range(lo, hi)])
+    raise ValueError(f"unknown source kind {src.kind}")
 
 
-def _vision_pairs(m: ModelConfig) -> list[tuple[str, str]]:
-    """(our name, HF name) for vision tensors copied as they are (patch_embed is reshaped)."""
-    pairs = [("pos_embed.weight", "pos_embed.weight"), ("patch_embed.bias", "patch_embed.proj.bias")]
-    for i in range(m.vision.depth):
-        for ours, hf in [("norm1", "norm1"), ("norm2", "norm2"), ("qkv", "attn.qkv"), ("proj", "attn.proj"),
-                         ("fc1", "mlp.linear_fc1"), ("fc2", "mlp.linear_fc2")]:
-            for p in ("weight", "bias"):
-                pairs.append((f"blocks.{i}.{ours}.{p}", f"blocks.{i}.{hf}.{p}"))
-    for ours, hf in [("merger_norm", "merger.norm"), ("merger_fc1", "merger.linear_fc1"),
-                     ("merger_fc2", "merger.linear_fc2")]:
-        for p in ("weight", "bias"):
-            pairs.append((f"{ours}.{p}", f"{hf}.{p}"))
-    return pairs
-
-
-def _mlp_pairs(prefix_ours: str, prefix_hf: str, m: ModelConfig) -> list[tuple[str, list[str]]]:
-    """(our fc1/fc2 name, HF names) for the dense MLP, the router and the shared expert (the routed
-    experts are stacked: ``_expert_names``)."""
-    glu = lambda o, h: [(f"{o}.linear_fc1.weight", [f"{h}.gate_proj.weight", f"{h}.up_proj.weight"]),  # noqa: E731
-                        (f"{o}.linear_fc2.weight", [f"{h}.down_proj.weight"])]
-    if not m.num_experts:
-        return glu(prefix_ours, prefix_hf)
-    out = [(f"{prefix_ours}.router.weight", [f"{prefix_hf}.gate.weight"])]
-    if m.moe_shared_expert_intermediate_size:
-        out += glu(f"{prefix_ours}.shared_experts", f"{prefix_hf}.shared_expert")
-        out.append((f"{prefix_ours}.shared_experts.gate_weight", [f"{prefix_hf}.shared_expert_gate.weight"]))
-    return out
-
-
-def _expert_names(i: int) -> tuple[str, str, str]:
-    """Our stacked expert weights of layer i (fc1 [E, 2F, H], fc2 [E, H, F]) and the HF prefix
-    of its per-expert tensors (``<prefix>.<e>.gate_proj.weight`` ...)."""
-    o = f"language_model.decoder.layers.{i}.mlp.experts"
-    return f"{o}.linear_fc1.weight", f"{o}.linear_fc2.weight", f"{HF_PREFIX}layers.{i}.mlp.experts"
-
-
-def _layer_pairs(m: ModelConfig, i: int) -> list[tuple[str, list[str]]]:
-    """(our name, HF names concatenated on dim 0) for layer i, except the attention qkv."""
-    o, h = f"language_model.decoder.layers.{i}", f"{HF_PREFIX}layers.{i}"
-    pairs = [(f"{o}.input_layernorm.weight", [f"{h}.input_layernorm.weight"]),
-             (f"{o}.pre_mlp_layernorm.weight", [f"{h}.post_attention_layernorm.weight"])]
-    if m.is_full_attention(i):
-        a = f"{h}.self_attn"
-        pairs += [(f"{o}.self_attention.q_layernorm.weight", [f"{a}.q_norm.weight"]),
-                  (f"{o}.self_attention.k_layernorm.weight", [f"{a}.k_norm.weight"]),
-                  (f"{o}.self_attention.linear_proj.weight", [f"{a}.o_proj.weight"])]
-    else:
-        a = f"{h}.linear_attn"
-        pairs += [(f"{o}.self_attention.in_proj.weight",
-                   [f"{a}.in_proj_qkv.weight", f"{a}.in_proj_z.weight", f"{a}.in_proj_b.weight",
-                    f"{a}.in_proj_a.weight"]),
-                  (f"{o}.self_attention.conv1d.weight", [f"{a}.conv1d.weight"]),
-                  (f"{o}.self_attention.A_log", [f"{a}.A_log"]),
-                  (f"{o}.self_attention.dt_bias", [f"{a}.dt_bias"]),
-                  (f"{o}.self_attention.out_norm.weight", [f"{a}.norm.weight"]),
-                  (f"{o}.self_attention.out_proj.weight", [f"{a}.out_proj.weight"])]
-    return pairs + _mlp_pairs(f"{o}.mlp", f"{h}.mlp", m)
+def split_to_hf(src: Source, t: torch.Tensor, m: ModelConfig) -> dict[str, torch.Tensor]:
+    """The HF tensors of one of ours (the inverse of ``build_from_hf``); views where possible."""
+    if src.kind in ("copy", "experts_fused"):
+        return {src.hf[0]: t}
+    if src.kind == "cat":
+        parts = torch.split(t, list(src.sizes)) if src.sizes else torch.chunk(t, 2)
+        return dict(zip(src.hf, parts))
+    if src.kind == "qkv":
+        return dict(zip(src.hf, _attn_qkv_to_hf(t, m)))
+    if src.kind == "patch":
+        v = m.vision
+        return {src.hf[0]: t.reshape(v.hidden_size, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)}
+    if src.kind == "experts_fc1":
+        out = {}
+        for j, w in enumerate(t):
+            out[src.hf[2 * j]], out[src.hf[2 * j + 1]] = torch.chunk(w, 2)
+        return out
+    if src.kind == "experts_fc2":
+        return {src.hf[j]: w for j, w in enumerate(t)}
+    raise ValueError(f"unknown source kind {src.kind}")
 
 
 def hf_to_ours(hf: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
-    """Full (TP=1) state dict of our model from an HF state dict. Raises on missing tensors."""
-    out: dict[str, torch.Tensor] = {}
-
+    """Full (TP=1) state dict of our model from an HF state dict held in memory (small models,
+    parity tools; scripts/convert_hf.py streams unit by unit). Raises on missing tensors."""
     def get(name):
         try:
             return hf[name]
         except KeyError:
             raise KeyError(f"HF checkpoint lacks {name}") from None
 
-    out["language_model.embedding.word_embeddings.weight"] = get(f"{HF_PREFIX}embed_tokens.weight")
-    out["language_model.decoder.final_layernorm.weight"] = get(f"{HF_PREFIX}norm.weight")
-    if not m.tie_word_embeddings:
-        out["language_model.output_layer.weight"] = get("lm_head.weight")
-    for i in range(m.num_layers):
-        for ours, names in _layer_pairs(m, i):
-            out[ours] = torch.cat([get(n) for n in names]) if len(names) > 1 else get(names[0])
-        if m.num_experts:
-            fc1, fc2, e = _expert_names(i)
-            experts = range(m.num_experts)
-            out[fc1] = torch.stack([torch.cat([get(f"{e}.{j}.gate_proj.weight"), get(f"{e}.{j}.up_proj.weight")])
-                                    for j in experts])
-            out[fc2] = torch.stack([get(f"{e}.{j}.down_proj.weight") for j in experts])
-        if m.is_full_attention(i):
-            a = f"{HF_PREFIX}layers.{i}.self_attn"
-            out[f"language_model.decoder.layers.{i}.self_attention.linear_qkv.weight"] = _attn_qkv_from_hf(
-                get(f"{a}.q_proj.weight"), get(f"{a}.k_proj.weight"), get(f"{a}.v_proj.weight"), m)
-    for ours, hf_name in _vision_pairs(m):
-        out[f"vision_model.{ours}"] = get(HF_VISION + hf_name)
-    w = get(HF_VISION + "patch_embed.proj.weight")
-    out["vision_model.patch_embed.weight"] = w.reshape(w.shape[0], -1)
-    return out
+    fused = any(k.endswith("mlp.experts.gate_up_proj") for k in hf)
+    return {ours: build_from_hf(src, get, m) for ours, src in hf_sources(m, fused).items()}
 
 
 def ours_to_hf(ours: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:
     """HF state dict (on-disk names) from our full (TP=1) state dict; inverse of hf_to_ours."""
     hf: dict[str, torch.Tensor] = {}
-    hf[f"{HF_PREFIX}embed_tokens.weight"] = ours["language_model.embedding.word_embeddings.weight"]
-    hf[f"{HF_PREFIX}norm.weight"] = ours["language_model.decoder.final_layernorm.weight"]
-    if not m.tie_word_embeddings:
-        hf["lm_head.weight"] = ours["language_model.output_layer.weight"]
-    for i in range(m.num_layers):
-        for name, names in _layer_pairs(m, i):
-            t = ours[name]
-            if len(names) == 1:
-                hf[names[0]] = t
-            elif name.endswith("in_proj.weight"):
-                hf.update(zip(names, torch.split(t, _gdn_sizes(m))))
-            else:  # GLU fc1: [gate | up]
-                hf.update(zip(names, torch.chunk(t, 2)))
-        if m.num_experts:
-            fc1, fc2, e = _expert_names(i)
-            for j, (w1, w2) in enumerate(zip(ours[fc1], ours[fc2])):
-                hf[f"{e}.{j}.gate_proj.weight"], hf[f"{e}.{j}.up_proj.weight"] = torch.chunk(w1, 2)
-                hf[f"{e}.{j}.down_proj.weight"] = w2
-        if m.is_full_attention(i):
-            a = f"{HF_PREFIX}layers.{i}.self_attn"
-            q, k, v = _attn_qkv_to_hf(ours[f"language_model.decoder.layers.{i}.self_attention.linear_qkv.weight"], m)
-            hf[f"{a}.q_proj.weight"], hf[f"{a}.k_proj.weight"], hf[f"{a}.v_proj.weight"] = q, k, v
-    for our_name, hf_name in _vision_pairs(m):
-        hf[HF_VISION + hf_name] = ours[f"vision_model.{our_name}"]
-    v = m.vision
-    hf[HF_VISION + "patch_embed.proj.weight"] = ours["vision_model.patch_embed.weight"].reshape(
-        v.hidden_size, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)
+    for name, src in hf_sources(m).items():
+        hf.update(split_to_hf(src, ours[name], m))
     return {k: t.contiguous() for k, t in hf.items()}
 
 
@@ -269,27 +335,13 @@ def lora_to_hf(ours: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, tuple
     ``lora_B`` [out, r]). A fused layer of ours is several HF modules: each gets the same A and
     its rows of B (the rows its weight takes), so B_hf @ A equals those rows of our B @ A."""
     out = {}
-    for i in range(m.num_layers):
-        pairs = _layer_pairs(m, i)
-        if m.is_full_attention(i):
-            a = f"{HF_PREFIX}layers.{i}.self_attn"
-            pairs.append((f"language_model.decoder.layers.{i}.self_attention.linear_qkv.weight",
-                          [f"{a}.q_proj.weight", f"{a}.k_proj.weight", f"{a}.v_proj.weight"]))
-        for name, names in pairs:
-            base = name[: -len("weight")]
-            if not name.endswith(".weight") or base + "lora_A" not in ours:
-                continue
-            lora_a, lora_b = ours[base + "lora_A"], ours[base + "lora_B"]
-            if len(names) == 1:
-                rows = [lora_b]
-            elif name.endswith("linear_qkv.weight"):
-                rows = _attn_qkv_to_hf(lora_b, m)
-            elif name.endswith("in_proj.weight"):
-                rows = torch.split(lora_b, _gdn_sizes(m))
-            else:  # GLU fc1: [gate | up]
-                rows = torch.chunk(lora_b, 2)
-            for hf_name, b in zip(names, rows):
-                out[hf_name[: -len(".weight")]] = (lora_a.contiguous(), b.contiguous())
+    for name, src in hf_sources(m).items():
+        base = name[: -len("weight")]
+        if not name.endswith(".weight") or base + "lora_A" not in ours or src.kind not in ("copy", "cat", "qkv"):
+            continue
+        lora_a = ours[base + "lora_A"].contiguous()
+        for hf_name, b in split_to_hf(src, ours[base + "lora_B"], m).items():
+            out[hf_name[: -len(".weight")]] = (lora_a, b.contiguous())
     return out
 
 
@@ -334,6 +386,7 @@ def hf_config_from_ours(m: ModelConfig) -> dict:
     }
     if 0 <= m.eos_token_id < m.vocab_size:
         text["eos_token_id"] = m.eos_token_id
+    text["mtp_num_hidden_layers"] = mtp_layers(m)
     if moe:
         text.update(num_experts=m.num_experts, num_experts_per_tok=m.moe_router_topk,
                     moe_intermediate_size=m.moe_ffn_hidden_size,

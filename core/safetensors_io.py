@@ -1,0 +1,152 @@
+"""Safetensors folders read one tensor at a time and written shard by shard.
+
+A Hugging Face checkpoint is a folder of ``model-0000K-of-0000N.safetensors`` files plus
+``model.safetensors.index.json`` (or one ``model.safetensors``). ``SafetensorsFolder`` opens the
+files lazily (memory-mapped by safetensors) and reads a tensor only when asked, so what a
+converter holds is what it is working on, never the checkpoint. ``write_shards`` writes shards
+from a plan made before any data exists, so the file names can carry the shard count.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def is_safetensors_folder(path: str | Path) -> bool:
+    d = Path(path)
+    return d.is_dir() and ((d / INDEX_FILE).is_file() or (d / SINGLE_FILE).is_file())
+
+
+class SafetensorsFolder:
+    """Names, shapes and dtypes of every tensor of a folder, and each tensor on demand. Safe to
+    share between threads: each thread opens its own handles."""
+
+    def __init__(self, path: str | Path):
+        from safetensors import safe_open
+
+        self.path = Path(path)
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            self.file_of: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        elif (self.path / SINGLE_FILE).is_file():
+            with safe_open(str(self.path / SINGLE_FILE), framework="pt") as f:
+                self.file_of = dict.fromkeys(f.keys(), SINGLE_FILE)
+        else:
+            raise FileNotFoundError(f"{self.path} holds neither {INDEX_FILE} nor {SINGLE_FILE}")
+        missing = sorted({f for f in self.file_of.values() if not (self.path / f).is_file()})
+        if missing:
+            raise FileNotFoundError(f"{self.path}: {INDEX_FILE} names {len(missing)} missing file(s), e.g. {missing[0]}")
+        self._local = threading.local()
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.file_of)
+
+    @property
+    def files(self) -> list[str]:
+        return sorted(set(self.file_of.values()))
+
+    def _handle(self, name: str):
+        from safetensors import safe_open
+
+        handles = getattr(self._local, "handles", None)
+        if handles is None:
+            handles = self._local.handles = {}
+        file = self.file_of[name]
+        if file not in handles:
+            handles[file] = safe_open(str(self.path / file), framework="pt")
+        return handles[file]
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.file_of:
+            raise KeyError(f"{self.path} holds no tensor {name}")
+        return self._handle(name).get_tensor(name)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return _DTYPES[self._handle(name).get_slice(name).get_dtype()]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(name).get_slice(name).get_shape())
+
+    def bytes_on_disk(self) -> int:
+        return sum((self.path / f).stat().st_size for f in self.files)
+
+    def largest_file(self) -> int:
+        return max((self.path / f).stat().st_size for f in self.files)
+
+
+def plan_shards(units: Iterable[tuple[object, int]], max_bytes: int) -> list[list[object]]:
+    """Group units (in order, each with its byte count) into shards of at most ``max_bytes``;
+    a unit is never split, and one larger than ``max_bytes`` gets a shard of its own."""
+    shards: list[list[object]] = []
+    size = 0
+    for unit, nbytes in units:
+        if not shards or (size + nbytes > max_bytes and shards[-1]):
+            shards.append([])
+            size = 0
+        shards[-1].append(unit)
+        size += nbytes
+    return shards
+
+
+def shard_name(k: int, n: int) -> str:
+    return SINGLE_FILE if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+
+
+def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> int:
+    """One shard, readable by everyone (0644); returns its size in bytes."""
+    from safetensors.torch import save_file
+
+    save_file({k: t.contiguous() for k, t in tensors.items()}, str(path), metadata={"format": "pt"})
+    os.chmod(path, 0o644)
+    return path.stat().st_size
+
+
+def write_index(out: Path, weight_map: dict[str, str], total_bytes: int) -> None:
+    if set(weight_map.values()) == {SINGLE_FILE}:
+        return
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    os.chmod(out / INDEX_FILE, 0o644)
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB', '500MiB', '1e9' or an int -> bytes."""
+    if isinstance(text, int):
+        return text
+    s = text.strip().upper()
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9,
+             "TB": 10**12, "B": 1}
+    for suffix, scale in units.items():
+        if s.endswith(suffix):
+            return int(float(s[: -len(suffix)]) * scale)
+    return int(float(s))
+
+
+def run_parallel(jobs: list[Callable[[], object]], workers: int) -> list[object]:
+    """Run ``jobs`` on ``workers`` threads (torch and safetensors release the GIL while copying);
+    the first failure is raised after the others stop being started."""
+    if workers <= 1 or len(jobs) <= 1:
+        return [job() for job in jobs]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(job) for job in jobs]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            raise

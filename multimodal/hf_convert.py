@@ -1,0 +1,382 @@
+"""Hugging Face safetensors <-> our dist-checkpoint, streamed in bounded memory.
+
+Nothing here holds the model. The model is built on the meta device (shapes only) to learn
+what megatron's dist-checkpoint stores for it: every chunk's key, global shape and offset, and
+which piece of which of our (TP=1) tensors it is (a chunk of a factory such as GDN's split
+``in_proj`` is a view of its parameter; its size, strides and storage offset say which).
+
+- import: torch's distributed-checkpoint writer asks the planner for each chunk as it writes it
+  (``_StreamingPlanner.resolve_data``); the chunk is made then from the few HF tensors it needs,
+  read lazily, and dropped once written. Stacked expert weights are written in groups of
+  experts, so the largest thing held is one group. ``workers`` threads write files in parallel.
+- export: the HF shards are planned from the meta model first (names, sizes, so the file names
+  carry the shard count); each shard then loads the units it holds (one decoder layer, the
+  vision tower, ...) from the dist-checkpoint, converts and writes them, and lets them go.
+
+Peak memory is a unit or a shard per worker, whatever the depth of the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from core.safetensors_io import (SafetensorsFolder, plan_shards, run_parallel, shard_name, write_index,
+                                 write_shard)
+
+log = logging.getLogger(__name__)
+
+MODEL_CONFIG_FILE = "model_config.json"
+HF_CONFIG_FILE = "hf_config.json"
+# experts stacked per chunk on import: bounds the largest tensor held (a 512-expert layer of the
+# 397B model is ~8.6 GB of bf16 per weight; a group of 32 is ~0.5 GB)
+EXPERT_GROUP = 32
+
+
+@dataclass
+class Chunk:
+    """One stored tensor chunk of our dist-checkpoint and where it lives in our (TP=1) tensor."""
+
+    key: str
+    offset: tuple[int, ...]
+    shape: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    param: str
+    view: tuple[tuple[int, ...], tuple[int, ...], int]  # size, stride, storage offset in the param
+    experts: tuple[int, int] | None = None  # (lo, hi) of a stacked expert weight
+
+
+def meta_model(m, family):
+    """Our model on the meta device at TP=PP=EP=1: shapes and checkpoint layout, no memory."""
+    from models.common.parallel_config import ParallelConfig
+
+    with torch.device("meta"):
+        return family.build(m, ParallelConfig(), torch.float32)
+
+
+def chunk_plan(model, expert_group: int = EXPERT_GROUP) -> tuple[list[Chunk], list]:
+    """Every chunk megatron would store for ``model`` (TP=1), and its ShardedObjects."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+    from megatron.core.dist_checkpointing.state_dict_utils import extract_sharded_base
+
+    params = dict(model.named_parameters())
+    sharded = model.sharded_state_dict()
+    # what megatron's save stores beside the tensors: the non-sharded rest of {"model": ...}
+    _, common = extract_sharded_base({"model": sharded})
+    chunks, objects = [], [ShardedObject("common_state", common, (1,), (0,))]
+    for name, entry in sharded.items():
+        if isinstance(entry, ShardedObject):
+            objects.append(entry)
+            continue
+        if isinstance(entry, ShardedTensorFactory):
+            built = entry.build()
+            tensors = list(built.values()) if isinstance(built, dict) else list(built)
+        elif isinstance(entry, ShardedTensor):
+            tensors = [entry]
+        else:
+            raise TypeError(f"{name}: unexpected sharded entry {type(entry).__name__}")
+        param = params[name]
+        if param.storage_offset() or not param.is_contiguous():
+            raise ValueError(f"{name}: a parameter that is not a whole contiguous tensor cannot be streamed")
+        for st in tensors:
+            assert isinstance(st, ShardedTensor) and st.prepend_axis_num == 0 and st.flattened_range is None, name
+            stacked = ".experts." in name and param.dim() == 3 and st.data.shape[0] > expert_group
+            spans = [(lo, min(lo + expert_group, st.data.shape[0])) for lo in range(0, st.data.shape[0], expert_group)] \
+                if stacked else [None]
+            for span in spans:
+                data = st.data if span is None else st.data[span[0]:span[1]]
+                offset = tuple(st.global_offset) if span is None else (st.global_offset[0] + span[0], *st.global_offset[1:])
+                chunks.append(Chunk(st.key, offset, tuple(data.shape), tuple(st.global_shape), name,
+                                    (tuple(data.shape), tuple(data.stride()), data.storage_offset()),
+                                    span if span is None else (offset[0], offset[0] + data.shape[0])))
+    return chunks, objects
+
+
+def _view(tensor: torch.Tensor, chunk: Chunk, rows_from: int = 0, param_stride0: int = 0) -> torch.Tensor:
+    size, stride, storage_offset = chunk.view
+    return tensor.as_strided(size, stride, storage_offset - rows_from * param_stride0)
+
+
+# ------------------------------------------------------------------------------------------ import
+
+
+class _StreamingPlanner:
+    """A torch DCP save planner whose items are made when the writer asks for them."""
+
+    def __new__(cls, *args, **kwargs):
+        from torch.distributed.checkpoint import DefaultSavePlanner
+
+        class Planner(DefaultSavePlanner):
+            def __init__(self, items, produce):
+                super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+                self._items, self._produce = items, produce
+
+            def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):
+                super().set_up_planner({}, storage_meta, is_coordinator)
+
+            def create_local_plan(self):
+                from torch.distributed.checkpoint.planner import SavePlan
+
+                self.plan = SavePlan(self._items)
+                return self.plan
+
+            def resolve_data(self, write_item):
+                return self._produce(write_item)
+
+        return Planner(*args, **kwargs)
+
+
+def _write_items(chunks: list[Chunk], objects: list, dtype_of: Callable[[Chunk], torch.dtype]):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    items = []
+    for c in chunks:
+        offset = torch.Size(c.offset)
+        items.append(WriteItem(
+            index=MetadataIndex(c.key, offset), type=WriteItemType.SHARD,
+            tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offset, sizes=torch.Size(c.shape)),
+                                        properties=TensorProperties(dtype=dtype_of(c)), size=torch.Size(c.global_shape))))
+    for obj in objects:
+        items.append(WriteItem(index=MetadataIndex(obj.unique_key), type=WriteItemType.BYTE_IO))
+    return items
+
+
+class Progress:
+    """Bytes done, drawn as a bar on a terminal; ``rate()`` in GB/s at the end."""
+
+    def __init__(self, total: int, what: str):
+        from tqdm import tqdm
+
+        self.start, self.done, self._lock = time.perf_counter(), 0, threading.Lock()
+        self.bar = tqdm(total=total, unit="B", unit_scale=True, desc=what, disable=not os.isatty(2), leave=False)
+
+    def add(self, nbytes: int) -> None:
+        with self._lock:
+            self.done += nbytes
+            self.bar.update(nbytes)
+
+    def close(self) -> tuple[float, float]:
+        self.bar.close()
+        seconds = time.perf_counter() - self.start
+        return seconds, self.done / max(seconds, 1e-9) / 1e9
+
+
+def unmapped(hf_names: list[str], sources: dict) -> list[str]:
+    used = {n for src in sources.values() for n in src.hf}
+    return sorted(set(hf_names) - used)
+
+
+def import_hf(hf_dir: str | Path, out: str | Path, adapter, family, workers: int = 1) -> tuple[Path, dict]:
+    """Write ``hf_dir``'s weights as our weights-only dist-checkpoint (iter_0000000 + latest)."""
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    from multimodal import checkpoint_checks as checks
+
+    folder = SafetensorsFolder(hf_dir)
+    m = adapter.model_config_from_hf(hf_dir)
+    fused = any(n.endswith("mlp.experts.gate_up_proj") for n in folder.names)
+    sources = adapter.hf_sources(m, fused)
+    extra = unmapped(folder.names, sources)
+    if extra:
+        raise ValueError(f"{hf_dir}: {len(extra)} tensor(s) map to nothing in the model its config.json "
+                         f"describes, e.g. {extra[0]}; check config.json against the weights (nothing is "
+                         "dropped in silence)")
+    missing = sorted({n for src in sources.values() for n in src.hf} - set(folder.names))
+    if missing:
+        raise ValueError(f"{hf_dir}: config.json needs {len(missing)} tensor(s) the checkpoint lacks, e.g. {missing[0]}")
+    model = meta_model(m, family)
+    chunks, objects = chunk_plan(model)
+    by_index = {(c.key, c.offset): c for c in chunks}
+    objects_by_key = {o.unique_key: o for o in objects}
+    params = dict(model.named_parameters())
+
+    def dtype_of(c: Chunk) -> torch.dtype:
+        return folder.dtype(sources[c.param].hf[0])
+
+    total = sum(torch.Size(c.shape).numel() * dtype_of(c).itemsize for c in chunks)
+    progress = Progress(total, "import")
+
+    def produce(item):
+        if item.type == WriteItemType.BYTE_IO:
+            buf = io.BytesIO()
+            torch.save([objects_by_key[item.index.fqn].data], buf)  # megatron stores a list per key
+            buf.seek(0)
+            return buf
+        c = by_index[(item.index.fqn, tuple(item.index.offset))]
+        src = sources[c.param]
+        full = adapter.build_from_hf(src, folder.get, m, c.experts)
+        if c.experts is None:
+            data = _view(full.contiguous(), c)
+        else:
+            data = _view(full.contiguous(), c, c.experts[0], params[c.param].stride(0))
+        progress.add(data.numel() * data.element_size())
+        return data.clone()  # the chunk alone: the writer keeps nothing that pins the whole source
+
+    root = Path(out)
+    final, tmp = root / "iter_0000000", root / "iter_0000000.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    writer = FileSystemWriter(str(tmp), single_file_per_rank=True, thread_count=max(1, workers), sync_files=False)
+    dcp_save({}, storage_writer=writer, planner=_StreamingPlanner(_write_items(chunks, objects, dtype_of), produce),
+             no_dist=True)
+    save_config(CheckpointingConfig("torch_dist"), str(tmp))
+    seconds, rate = progress.close()
+    dtypes = sorted({str(dtype_of(c)).replace("torch.", "") for c in chunks})
+    meta = {MODEL_CONFIG_FILE: json.dumps(dataclasses.asdict(m), indent=1),
+            HF_CONFIG_FILE: (Path(hf_dir) / "config.json").read_text()}
+    trainer = {"iteration": 0, "weights_only": True, "source": str(hf_dir), "hf_dtype": dtypes[0]}
+    _commit(root, tmp, final, meta, trainer, checks)
+    return final, {"bytes": progress.done, "seconds": seconds, "gb_per_s": rate, "tensors": len(folder.names)}
+
+
+def _commit(root: Path, tmp: Path, final: Path, meta: dict[str, str], trainer: dict, checks) -> None:
+    """checkpointing.py's order: metadata, manifest, trainer_state.json last, rename, ``latest``."""
+    for name, text in meta.items():
+        (tmp / name).write_text(text)
+    checks.write_manifest(tmp)
+    (tmp / "trainer_state.json").write_text(json.dumps(trainer))
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            os.chmod(f, 0o644)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    (root / "latest.tmp").write_text(final.name)
+    os.replace(root / "latest.tmp", root / "latest")
+
+
+# ------------------------------------------------------------------------------------------ export
+
+
+def _load_keys(ckpt: Path, keys: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
+    """Whole tensors of the given checkpoint keys (any layout they were saved under)."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint import load as dcp_load
+
+    state = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in keys.items()}
+    dcp_load(state, storage_reader=FileSystemReader(str(ckpt)), planner=DefaultLoadPlanner(allow_partial_load=True),
+             no_dist=True)
+    return state
+
+
+def load_units(ckpt: Path, units: list[str], chunks_by_unit: dict[str, list[Chunk]], stored: dict,
+               params: dict) -> dict[str, torch.Tensor]:
+    """Our full (TP=1) tensors of ``units``, read from the dist-checkpoint at ``ckpt``."""
+    chunks = [c for u in units for c in chunks_by_unit.get(u, [])]
+    missing = sorted({c.key for c in chunks} - set(stored))
+    if missing:
+        raise KeyError(f"{ckpt} holds no tensor {missing[0]} ({len(missing)} missing); was it saved from this model?")
+    keys = {c.key: (tuple(stored[c.key].size), stored[c.key].properties.dtype) for c in chunks}
+    loaded = _load_keys(ckpt, keys)
+    out: dict[str, torch.Tensor] = {}
+    for c in chunks:
+        target = out.get(c.param)
+        if target is None:
+            target = out[c.param] = torch.empty(params[c.param].shape, dtype=loaded[c.key].dtype)
+        region = loaded[c.key][tuple(slice(o, o + s) for o, s in zip(c.offset, c.shape))]
+        _view(target, c).copy_(region)
+    return out
+
+
+def export_hf(ckpt: Path, out: str | Path, m, adapter, family, dtype: torch.dtype | None, hf_config: dict,
+              max_shard_bytes: int, workers: int = 1, carry: SafetensorsFolder | None = None,
+              carry_prefix: str = "mtp.", transform: Callable[[dict], dict] | None = None) -> dict:
+    """Write our checkpoint at ``ckpt`` as HF safetensors shards + index + config.json in ``out``.
+    ``carry``: an HF folder whose ``carry_prefix`` tensors this model does not hold (an MTP head
+    that was not trained) are copied over unchanged. ``transform``: applied to each unit's tensors before the mapping."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    model = meta_model(m, family)
+    params = dict(model.named_parameters())
+    chunks, _ = chunk_plan(model, expert_group=1 << 30)
+    sources = adapter.hf_sources(m)
+    chunks_by_unit: dict[str, list[Chunk]] = {}
+    for c in chunks:
+        chunks_by_unit.setdefault(sources[c.param].unit, []).append(c)
+    stored = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    drop = {"lm_head.weight"} if m.tie_word_embeddings else set()
+
+    def itemsize(name: str) -> int:
+        return (dtype or stored[_first_key(name)].properties.dtype).itemsize
+
+    def _first_key(param: str) -> str:
+        return next(c.key for c in chunks if c.param == param)
+
+    # every HF tensor, its unit and size, from the meta model
+    sizes: dict[str, int] = {}
+    names_of_unit: dict[str, list[str]] = {}
+    for name, src in sources.items():
+        for hf_name, t in adapter.split_to_hf(src, params[name], m).items():
+            if hf_name in drop:
+                continue
+            names_of_unit.setdefault(src.unit, []).append(hf_name)
+            sizes[src.unit] = sizes.get(src.unit, 0) + t.numel() * itemsize(name)
+    produced = {h for v in names_of_unit.values() for h in v}
+    carried = [n for n in carry.names if n.startswith(carry_prefix) and n not in produced] if carry else []
+    units = [(u, sizes[u]) for u in names_of_unit]
+    if carried:
+        names_of_unit["carried"] = carried
+        units.append(("carried", sum(torch.Size(carry.shape(n)).numel() * carry.dtype(n).itemsize for n in carried)))
+    shards = plan_shards(units, max_shard_bytes)
+    outd = Path(out)
+    outd.mkdir(parents=True, exist_ok=True)
+    progress = Progress(sum(s for _, s in units), "export")
+    weight_map: dict[str, str] = {}
+
+    def write(k: int):
+        tensors: dict[str, torch.Tensor] = {}
+        ours_units = [u for u in shards[k] if u != "carried"]
+        if ours_units:
+            state = load_units(ckpt, ours_units, chunks_by_unit, stored, params)
+            if transform is not None:
+                state = transform(state)
+            for name, t in state.items():
+                for hf_name, piece in adapter.split_to_hf(sources[name], t, m).items():
+                    if hf_name not in drop:
+                        tensors[hf_name] = piece if dtype is None else piece.to(dtype)
+        if "carried" in shards[k]:
+            tensors.update({n: carry.get(n) for n in carried})
+        file = shard_name(k, len(shards))
+        nbytes = write_shard(outd / file, tensors)
+        progress.add(sum(t.numel() * t.element_size() for t in tensors.values()))
+        return {n: file for n in tensors}, nbytes
+
+    total = 0
+    for names, nbytes in run_parallel([lambda k=k: write(k) for k in range(len(shards))], workers):
+        weight_map.update(names)
+        total += nbytes
+    seconds, rate = progress.close()
+    write_index(outd, weight_map, total)
+    (outd / "config.json").write_text(json.dumps(hf_config, indent=2))
+    os.chmod(outd / "config.json", 0o644)
+    return {"tensors": len(weight_map), "shards": len(shards), "bytes": total, "seconds": seconds,
+            "gb_per_s": rate, "carried": len(carried)}
+
+
+def copy_processor_files(src: Path, out: Path) -> list[str]:
+    """The tokenizer, chat template and processor files of an HF folder, copied beside an export."""
+    copied = []
+    for f in sorted(src.iterdir()) if src.is_dir() else []:
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name not in (
+                "config.json", "model.safetensors.index.json") and (f.suffix in (".json", ".jinja", ".txt", ".model")
+                                                                    or f.name.startswith(("tokenizer", "vocab", "merges"))):
+            shutil.copyfile(f, out / f.name)
+            os.chmod(out / f.name, 0o644)
+            copied.append(f.name)
+    return copied
