@@ -198,3 +198,41 @@ def test_dry_run_counts_the_mtp_parameters(mcore):
                                                            if ".mtp." in n)
     cfg, model = proxy_model(["model.mtp_num_layers=1"], config="configs/qwen35_vl_proxy_moe.yaml")
     assert stage_params(cfg.model).parts["mtp"] == sum(p.numel() for n, p in model.named_parameters() if ".mtp." in n)
+
+
+def test_moe_proxy_trains_its_mtp_layer(mcore):
+    cfg, model = proxy_model(["model.mtp_num_layers=1"], config="configs/qwen35_vl_proxy_moe.yaml")
+    loss, report = _run(cfg, model, _packed(cfg, _samples(cfg)), backward=True)
+    assert torch.isfinite(loss) and report["mtp loss"][1] > 0
+    grads = {n: p.grad for n, p in model.named_parameters() if ".mtp." in n}
+    for part in ("eh_proj", "mlp.router", "mlp.experts", "mlp.shared_experts", "self_attention.linear_qkv"):
+        assert any(part in n and g is not None and g.abs().sum() > 0 for n, g in grads.items()), part
+
+
+@pytest.mark.slow
+def test_proxy_run_logs_a_falling_mtp_loss(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    cmd = [sys.executable, "pretrain_multimodal.py", "--config", "configs/qwen35_vl_proxy.yaml",
+           f"logging.dir={tmp_path}", "logging.progress_bar=false", "logging.tensorboard=true",
+           "checkpoint.dir=null", "model.mtp_num_layers=1", "train.iters=8", "train.seq_length=256",
+           "train.global_batch_size=1",
+           "data.max_image_side=64", "data.max_text_tokens=48"]
+    proc = subprocess.run(cmd, cwd=root, env={**env, "PYTHONPATH": str(root)}, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    mtp = [r["mtp_loss"] for r in rows]
+    assert len(mtp) == 8 and mtp[-1] < mtp[0] - 0.5, mtp
+    assert "mtp_loss" in proc.stderr + proc.stdout  # the console line
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert len(events.Scalars("mtp_loss")) == 8
