@@ -164,7 +164,7 @@ class MicroBatchIterator:
         self.one_pass = one_pass
         self.blank_rows = 0  # micro-batches that held no sample (one_pass, after the dataset's end)
         self._blank: dict | None = None
-        self._first: dict | None = None  # the first usable sample read: the blank row's model
+        self._first: dict | None = None  # one_pass: the first usable sample read, the blank's template
 
     def _read(self, index: int) -> dict | None:
         if not self.num_workers:
@@ -186,9 +186,10 @@ class MicroBatchIterator:
         return self
 
     def _peek(self) -> dict | None:
-        """The next usable sample of this rank (None: the pass is over, ``one_pass`` only). Rows the dataset skips (it returns None for a
-        corrupt image, bad JSON, ...) are stepped over and counted; a run whose data is mostly
-        broken stops with the dataset's reasons instead of training on what is left."""
+        """The next usable sample of this rank (None: the pass is over, ``one_pass`` only). Rows the
+        dataset skips (it returns None for a corrupt image, bad JSON, ...) are stepped over and
+        counted; a run whose data is mostly broken stops with the dataset's reasons instead of
+        training on what is left."""
         while self._peeked is None or self._peeked[0] != self._next:
             if self.one_pass and self._next >= len(self.dataset):
                 return None
@@ -196,7 +197,8 @@ class MicroBatchIterator:
             self.seen += 1
             if sample is not None:
                 self._peeked = (self._next, sample)
-                self._first = self._first or sample
+                if self.one_pass and self._first is None:
+                    self._first = sample
                 break
             self.bad += 1
             if self.seen >= MIN_SAMPLES_FOR_BAD_CHECK and self.bad > self.max_bad_fraction * self.seen:
