@@ -204,8 +204,8 @@ def tool_calls_text(calls, answer: str, turn: int) -> str:
             raise ValueError(f"message {turn}: tool call {k} ({fn['name']}) arguments are "
                              f"{type(args).__name__}, not an object of named parameters")
         sep = ("\n\n" if answer.strip() else "") if k == 0 else "\n"
-        params = "".join(f"<parameter={key}>\n{_json(v) if isinstance(v, (dict, list, tuple)) else str(v)}\n</parameter>\n"
-                         for key, v in (args or {}).items())
+        values = {key: _json(v) if isinstance(v, (dict, list, tuple)) else str(v) for key, v in (args or {}).items()}
+        params = "".join(f"<parameter={key}>\n{v}\n</parameter>\n" for key, v in values.items())
         out.append(f"{sep}<tool_call>\n<function={fn['name']}>\n{params}</function>\n</tool_call>")
     return "".join(out)
 
@@ -225,7 +225,8 @@ def video_expansion(tokenizer, timestamps: list[float], tokens_per_group: int, s
 
 def encode_conversation(tokenizer, messages: list[dict], image_token_counts: list[int],
                         special_ids: dict[str, int],
-                        videos: list[tuple[list[float], int]] = (), tools: list | None = None) -> tuple[list[int], list[float]]:
+                        videos: list[tuple[list[float], int]] = (),
+                        tools: list | None = None) -> tuple[list[int], list[float]]:
     """Token ids and shifted loss mask of a conversation (see the module docstring).
 
     ``messages``: ``[{"role": ..., "content": str | [{"type": "image"} | {"type": "video"} |
