@@ -43,13 +43,13 @@ def _conversations_file(tmp_path: Path) -> Path:
     (["data.valid_path=held_out.jsonl"], "data.valid_path='held_out.jsonl' is for conversations and cord_v2"),
     (["data.name=conversations", "train.eval_interval=5"], "needs data.valid_path"),
     (["data.name=conversations", "train.eval_interval=5", "data.valid_path=missing.jsonl"], "needs data.valid_path"),
-    (["data.name=cord_v2", "data.path=x", "train.eval_interval=5", "data.valid_split=''"], "data.valid_split"),
+    (["data.name=cord_v2", "train.eval_interval=5", "data.valid_split=''"], "data.valid_split"),
 ])
 def test_bad_eval_settings_give_one_line_naming_the_field(tmp_path, overrides, needle):
     if any(o.startswith("data.name=conversations") for o in overrides):
         overrides = [*overrides, f"data.path={_conversations_file(tmp_path)}", "data.tokenizer=tok"]
-    if "data.name=cord_v2" in overrides:
-        overrides = [*overrides, "data.tokenizer=tok"]
+    if "data.name=cord_v2" in overrides:  # data.path must exist (checked at start)
+        overrides = [*overrides, f"data.path={tmp_path}", "data.tokenizer=tok"]
     cfg = load_config(PROXY, overrides)
     with pytest.raises(ConfigError) as e:
         validate(cfg)
