@@ -59,6 +59,23 @@ def test_parameter_names_are_megatrons_mtp_names(mcore):
     h = cfg.model.hidden_size
     assert model.state_dict()[p + "eh_proj.weight"].shape == (h, 2 * h)
     assert {model.parameter_group(n) for n in names} == {"mtp"}
+    # dist-checkpointing sees the same names (so training checkpoints hold the head)
+    sharded = {k for k in model.sharded_state_dict() if ".mtp." in k and "_extra_state" not in k}
+    assert sharded == names
+
+
+def test_bad_mtp_configs_are_refused_in_one_line():
+    from multimodal.config import ConfigError, load_config, validate
+
+    for overrides, match in [
+        (["model.mtp_num_layers=1", "parallel.pp=2"], "parallel.pp=1"),
+        (["model.mtp_num_layers=-1"], "mtp_num_layers must be >= 0"),
+        (["model.mtp_loss_scale=-0.1"], "mtp_loss_scale must be >= 0"),
+        (["model.freeze=[mtp]"], "drop mtp from model.freeze"),
+    ]:
+        cfg = load_config("configs/qwen35_vl_proxy.yaml", overrides)
+        with pytest.raises(ConfigError, match=match):
+            validate(cfg, world_size=2)
 
 
 def _randomize_mtp_norms(model):
