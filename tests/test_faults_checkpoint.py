@@ -249,7 +249,7 @@ def test_resume_with_another_lr_warmup_and_length_rebuilds_the_schedule(tmp_path
                   "checkpoint.interval=3", "checkpoint.keep_last=1")
     assert run.rc == 0, run.stderr[-3000:]
     line = next(x for x in run.stderr.splitlines() if "resuming with another LR schedule" in x)
-    assert "optimizer.lr 0.003 -> 0.001" in line and "optimizer.warmup_iters 2 -> 4" in line, line
+    assert "optimizer.lr 0.003 -> 0.001" in line and "optimizer.warmup_iters 3 -> 4" in line, line
     assert "train.iters 4 -> 6" in line, line
     # linear warm-up to 1e-3 over 4 steps: after step 3, 3/4 of it (megatron's scheduler)
     assert [(r["step"], r["lr"]) for r in run.rows()] == [(3, pytest.approx(0.75e-3))]
