@@ -99,6 +99,14 @@ class MTPBlock(MegatronModule):
         # aux-loss tracker is sized by the decoder's layer count)
         self.layers = torch.nn.ModuleList(MTPLayer(config, layer_spec, k + 1) for k in range(num_layers))
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
+        """Each layer's own sharded state dict: megatron's default treats a ModuleList as plain
+        tensors, which would store the TP-split linears with their local shapes."""
+        out = {}
+        for k, layer in enumerate(self.layers):
+            out.update(layer.sharded_state_dict(f"{prefix}layers.{k}.", sharded_offsets, metadata))
+        return out
+
     def forward(self, hidden, embeds: list[torch.Tensor], **kw) -> list[torch.Tensor]:
         outs = []
         for layer, emb in zip(self.layers, embeds):
