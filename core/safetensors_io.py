@@ -29,26 +29,42 @@ def is_safetensors_folder(path: str | Path) -> bool:
     return d.is_dir() and ((d / INDEX_FILE).is_file() or (d / SINGLE_FILE).is_file())
 
 
+def read_header(path: Path) -> dict[str, dict]:
+    """A safetensors file's header: name -> {dtype, shape, data_offsets} (offsets from the data start)."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    for entry in header.values():
+        entry["start"] = 8 + size + entry["data_offsets"][0]
+    return header
+
+
 class SafetensorsFolder:
-    """Names, shapes and dtypes of every tensor of a folder, and each tensor on demand. Safe to
-    share between threads: each thread opens its own handles."""
+    """Names, shapes and dtypes of every tensor of a folder, and each tensor (or a range of its
+    leading rows) on demand, read with ``os.pread``: no memory map, so what the reader holds is
+    the tensors it returned and nothing of the files it has read. Safe to share between threads."""
 
     def __init__(self, path: str | Path):
-        from safetensors import safe_open
-
         self.path = Path(path)
         index = self.path / INDEX_FILE
         if index.is_file():
-            self.file_of: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            file_of: dict[str, str] = json.loads(index.read_text())["weight_map"]
         elif (self.path / SINGLE_FILE).is_file():
-            with safe_open(str(self.path / SINGLE_FILE), framework="pt") as f:
-                self.file_of = dict.fromkeys(f.keys(), SINGLE_FILE)
+            file_of = None
         else:
             raise FileNotFoundError(f"{self.path} holds neither {INDEX_FILE} nor {SINGLE_FILE}")
-        missing = sorted({f for f in self.file_of.values() if not (self.path / f).is_file()})
+        files = sorted(set(file_of.values())) if file_of else [SINGLE_FILE]
+        missing = [f for f in files if not (self.path / f).is_file()]
         if missing:
             raise FileNotFoundError(f"{self.path}: {INDEX_FILE} names {len(missing)} missing file(s), e.g. {missing[0]}")
-        self._local = threading.local()
+        self._entry: dict[str, dict] = {}
+        self.file_of: dict[str, str] = {}
+        for f in files:
+            for name, entry in read_header(self.path / f).items():
+                self._entry[name], self.file_of[name] = entry, f
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
 
     @property
     def names(self) -> list[str]:
@@ -58,33 +74,61 @@ class SafetensorsFolder:
     def files(self) -> list[str]:
         return sorted(set(self.file_of.values()))
 
-    def _handle(self, name: str):
-        from safetensors import safe_open
+    def _fd(self, file: str) -> int:
+        with self._lock:
+            if file not in self._fds:
+                self._fds[file] = os.open(self.path / file, os.O_RDONLY)
+            return self._fds[file]
 
-        handles = getattr(self._local, "handles", None)
-        if handles is None:
-            handles = self._local.handles = {}
-        file = self.file_of[name]
-        if file not in handles:
-            handles[file] = safe_open(str(self.path / file), framework="pt")
-        return handles[file]
+    def _info(self, name: str) -> dict:
+        try:
+            return self._entry[name]
+        except KeyError:
+            raise KeyError(f"{self.path} holds no tensor {name}") from None
 
-    def get(self, name: str) -> torch.Tensor:
-        if name not in self.file_of:
-            raise KeyError(f"{self.path} holds no tensor {name}")
-        return self._handle(name).get_tensor(name)
+    def get(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor, or rows ``lo:hi`` of its first dimension (read alone, not the whole tensor)."""
+        e = self._info(name)
+        shape, dtype = list(e["shape"]), _DTYPES[e["dtype"]]
+        start, end = e["start"], e["start"] + e["data_offsets"][1] - e["data_offsets"][0]
+        if rows is not None:
+            row_bytes = (end - start) // shape[0] if shape and shape[0] else 0
+            start, end = start + rows[0] * row_bytes, start + rows[1] * row_bytes
+            shape[0] = rows[1] - rows[0]
+        buf = bytearray(end - start)
+        view, fd, done = memoryview(buf), self._fd(self.file_of[name]), 0
+        while done < len(buf):
+            n = os.preadv(fd, [view[done:]], start + done)
+            if n <= 0:
+                raise OSError(f"{self.path / self.file_of[name]}: ends inside tensor {name}")
+            done += n
+        if not buf:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
 
     def dtype(self, name: str) -> torch.dtype:
-        return _DTYPES[self._handle(name).get_slice(name).get_dtype()]
+        return _DTYPES[self._info(name)["dtype"]]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        return tuple(self._info(name)["shape"])
 
     def bytes_on_disk(self) -> int:
         return sum((self.path / f).stat().st_size for f in self.files)
 
     def largest_file(self) -> int:
         return max((self.path / f).stat().st_size for f in self.files)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
 
 def plan_shards(units: Iterable[tuple[object, int]], max_bytes: int) -> list[list[object]]:
@@ -133,6 +177,23 @@ def parse_size(text: str | int) -> int:
         if s.endswith(suffix):
             return int(float(s[: -len(suffix)]) * scale)
     return int(float(s))
+
+
+def return_freed_memory() -> None:
+    """Make glibc hand buffers of 1 MiB and more back to the OS when they are freed. By default its
+    threshold rises to the largest buffer freed so far, after which tensors of that size come from
+    the heap, whose freed space the process keeps: a conversion that holds one tensor at a time
+    would still grow with the number of tensors it has made."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        libc.mallopt(m_mmap_threshold, 1 << 20)
+        libc.mallopt(m_trim_threshold, 1 << 20)
+    except (OSError, AttributeError):  # not glibc: nothing to tune
+        pass
 
 
 def run_parallel(jobs: list[Callable[[], object]], workers: int) -> list[object]:

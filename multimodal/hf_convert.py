@@ -232,7 +232,8 @@ def import_hf(hf_dir: str | Path, out: str | Path, adapter, family, workers: int
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    writer = FileSystemWriter(str(tmp), single_file_per_rank=True, thread_count=max(1, workers), sync_files=False)
+    # a file per chunk: torch's writer keeps every tensor of a file until the file is closed
+    writer = FileSystemWriter(str(tmp), single_file_per_rank=False, thread_count=max(1, workers), sync_files=False)
     dcp_save({}, storage_writer=writer, planner=_StreamingPlanner(_write_items(chunks, objects, dtype_of), produce),
              no_dist=True)
     save_config(CheckpointingConfig("torch_dist"), str(tmp))
@@ -380,3 +381,32 @@ def copy_processor_files(src: Path, out: Path) -> list[str]:
             os.chmod(out / f.name, 0o644)
             copied.append(f.name)
     return copied
+
+
+def write_random_hf(m, adapter, family, out: str | Path, dtype: torch.dtype = torch.bfloat16,
+                    max_shard_bytes: int = 5 * 10**9, seed: int = 0) -> dict:
+    """A synthetic HF checkpoint of model section ``m`` (random weights, the released layout:
+    config.json, shards, index), written shard by shard: for conversion benchmarks and memory
+    tests at depths no fixture reaches."""
+    model = meta_model(m, family)
+    params = dict(model.named_parameters())
+    units: dict[str, dict[str, tuple]] = {}
+    for name, src in adapter.hf_sources(m).items():
+        for hf_name, t in adapter.split_to_hf(src, params[name], m).items():
+            if not (m.tie_word_embeddings and hf_name == "lm_head.weight"):
+                units.setdefault(src.unit, {})[hf_name] = tuple(t.shape)
+    sized = [(u, sum(torch.Size(s).numel() * dtype.itemsize for s in names.values())) for u, names in units.items()]
+    shards = plan_shards(sized, max_shard_bytes)
+    outd = Path(out)
+    outd.mkdir(parents=True, exist_ok=True)
+    weight_map, total = {}, 0
+    for k, shard in enumerate(shards):
+        g = torch.Generator().manual_seed(seed + k)
+        tensors = {n: (torch.randn(s, generator=g) * 0.02).to(dtype) for u in shard for n, s in units[u].items()}
+        file = shard_name(k, len(shards))
+        total += write_shard(outd / file, tensors)
+        weight_map.update(dict.fromkeys(tensors, file))
+        del tensors
+    write_index(outd, weight_map, total)
+    (outd / "config.json").write_text(json.dumps(adapter.hf_config_from_ours(m), indent=2))
+    return {"tensors": len(weight_map), "shards": len(shards), "bytes": total}

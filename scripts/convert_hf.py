@@ -60,8 +60,12 @@ def _init():
     from multimodal.platform import init_distributed
     from core.seeding import seed_everything
 
+    from core.safetensors_io import return_freed_memory
+
+    return_freed_memory()
     init_distributed()
-    ps.initialize_model_parallel(1, 1)
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(1, 1)
     seed_everything(0)
 
 
@@ -103,11 +107,12 @@ def model_config_of_checkpoint(ckpt: Path, recipe: str | None) -> ModelConfig:
         family = get_model_family(recorded.get("name") or DEFAULT_MODEL)
     else:
         family = family_for_hf_config(ckpt / HF_CONFIG_FILE)
-    if has_hf:
-        return get_hf_adapter(family).model_config_from_hf(ckpt / HF_CONFIG_FILE)
     from multimodal.config import _build as build_dataclass
 
-    return build_dataclass(family.config_class, recorded, "model.")
+    base = build_dataclass(family.config_class, recorded, "model.") if recorded is not None else None
+    if has_hf:  # the shapes from the HF config; what the run chose (model.mtp_num_layers) from the record
+        return get_hf_adapter(family).model_config_from_hf(ckpt / HF_CONFIG_FILE, base=base)
+    return base
 
 
 def lora_config_of_checkpoint(ckpt: Path, recipe: str | None):
@@ -147,10 +152,11 @@ def _write_peft_adapter(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], 
     return outd
 
 
-def _source_folder(path: Path, m) -> SafetensorsFolder | None:
+def _source_folder(path: Path) -> SafetensorsFolder | None:
     """The HF folder a checkpoint came from (model.hf_config, or the import's source), if still there."""
     trainer = json.loads((path / "trainer_state.json").read_text())
-    for candidate in (getattr(m, "hf_config", None), trainer.get("source")):
+    recorded = _recorded_model_config(path) or {}
+    for candidate in (recorded.get("hf_config"), trainer.get("source")):
         if candidate and Path(candidate).is_dir():
             try:
                 return SafetensorsFolder(candidate)
@@ -214,7 +220,7 @@ def do_export(ckpt: str, out: str, recipe: str | None, dtype: str, merge_lora: b
         cfg = json.loads((path / HF_CONFIG_FILE).read_text())
     else:
         cfg = hf.hf_config_from_ours(m)
-    source = _source_folder(path, m)
+    source = _source_folder(path)
     text = cfg.get("text_config", cfg)
     source_mtp = int(text.get("mtp_num_hidden_layers", 0) or 0)
     ours_mtp = int(getattr(m, "mtp_num_layers", 0) or 0)

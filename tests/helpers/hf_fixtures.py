@@ -40,3 +40,34 @@ def make_hf_checkpoint(out: Path, moe: bool = False, layers: int = 4, heads: int
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(out)
     return Path(out)
+
+
+def add_mtp_head(hf_dir: Path, seed: int = 1) -> dict[str, torch.Tensor]:
+    """Give a checkpoint written above the MTP head the released Qwen3.5 checkpoints carry (names as
+    vLLM's Qwen3.5 MTP loader reads them): ``mtp.fc`` [H, 2H], the two pre-fc norms, one gated
+    full-attention decoder layer ``mtp.layers.0.*`` (shaped as the model's own; MoE in MoE models)
+    and ``mtp.norm``, random; ``mtp_num_hidden_layers: 1`` in config.json. Returns the new tensors."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    hf_dir = Path(hf_dir)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    text = cfg["text_config"]
+    full = text["layer_types"].index("full_attention")
+    state = load_file(str(hf_dir / "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    layer = f"model.language_model.layers.{full}."
+    h = text["hidden_size"]
+    mtp = {"mtp.fc.weight": torch.randn(h, 2 * h, generator=g) * 0.02,
+           "mtp.pre_fc_norm_embedding.weight": torch.randn(h, generator=g) * 0.1,
+           "mtp.pre_fc_norm_hidden.weight": torch.randn(h, generator=g) * 0.1,
+           "mtp.norm.weight": torch.randn(h, generator=g) * 0.1}
+    for name, t in state.items():
+        if name.startswith(layer):
+            mtp["mtp.layers.0." + name[len(layer):]] = torch.randn(t.shape, generator=g).to(t.dtype) * t.float().std()
+    state.update({k: v.to(next(iter(state.values())).dtype).contiguous() for k, v in mtp.items()})
+    save_file(state, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    text["mtp_num_hidden_layers"] = 1
+    (hf_dir / "config.json").write_text(json.dumps(cfg, indent=2))
+    return mtp
