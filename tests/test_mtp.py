@@ -253,3 +253,31 @@ def test_proxy_run_logs_a_falling_mtp_loss(tmp_path):
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert len(events.Scalars("mtp_loss")) == 8
+
+
+def test_flops_count_the_mtp_matmuls_torch_counts(mcore):
+    """Forward matmul FLOPs the MTP head adds, as torch's FlopCounterMode measures them, equal the
+    per-token counts of models/qwen35_vl/flops.py (eh_proj, the attention layer's projections, its
+    MLP, the LM-head pass) times the positions it ran on."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from models.qwen35_vl.flops import _mtp_parts, training_flops
+
+    cfg, model = proxy_model(["model.mtp_num_layers=1"])
+    batch = _packed(cfg, _samples(cfg))
+
+    def matmul_flops(with_mtp: bool) -> int:
+        lm = model.language_model
+        mtp, lm.mtp = lm.mtp, (lm.mtp if with_mtp else None)
+        counter = FlopCounterMode(display=False)
+        with counter, torch.no_grad():
+            _run(cfg, model, batch)
+        lm.mtp = mtp
+        ops = counter.get_flop_counts()["Global"]
+        return sum(v for op, v in ops.items() if "mm" in str(op))
+
+    weights, head, _ = _mtp_parts(cfg.model)
+    assert matmul_flops(True) - matmul_flops(False) == (weights + head) * ROW
+    base = cfg.model.__class__(**{**vars(cfg.model), "mtp_num_layers": 0})
+    lengths = batch["sample_lengths"]
+    assert training_flops(cfg.model, lengths, []) > training_flops(base, lengths, []) + 3 * (weights + head) * sum(lengths)
