@@ -322,6 +322,24 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
             p, pending = pending, None
             _emit(p, peak, sink, result, guard)
 
+    def save_checkpoint(it: int) -> None:
+        if overlap is not None:
+            overlap.finish()  # the saved parameters and moments are this step's
+        # every logged step up to this one is in metrics.jsonl before the checkpoint
+        # exists: a resume from it drops later rows only, and none is lost
+        flush_log()
+        guard.before_save(it)
+        if not weights_finite(model):
+            raise NonFiniteError(f"step {it}: the weights are not finite, so no checkpoint was written; "
+                                 f"last good checkpoint: {guard.last_good or 'none'}; lower optimizer.lr "
+                                 "and resume from it")
+        health = guard.checkpoint_state()
+        saved = checkpointing.save(ck.dir, it, model, optimizer, scheduler, batches.state_dict(),
+                                   ck.keep_last, meta_files=checkpoint_meta(cfg), saves=saves,
+                                   extra={**(lineage or {}), **health})
+        guard.saved(str(saved), health)
+        result.checkpoint = str(saved)
+
     try:
         for it in range(start + 1, t.iters + 1):
             if saves is not None:
@@ -329,6 +347,10 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
             if stop.signal is not None:
                 if saves is not None:
                     saves.wait()  # the checkpoint being written is completed first
+                    if saves.deferred is not None and it - 1 > start:  # and a deferred one is made now
+                        saves.deferred = None
+                        save_checkpoint(it - 1)
+                        saves.wait()
                 raise stop.error(it - 1, _latest(ck), cfg)
             profiler.begin(it)
             ddp.zero_grad_buffer()
@@ -384,22 +406,7 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
             if saves is not None:  # a save due while the previous one is still writing waits for a later step
                 due = saves.due(it, bool(due), final=it == t.iters)
             if due:
-                if overlap is not None:
-                    overlap.finish()  # the saved parameters and moments are this step's
-                # every logged step up to this one is in metrics.jsonl before the checkpoint
-                # exists: a resume from it drops later rows only, and none is lost
-                flush_log()
-                guard.before_save(it)
-                if not weights_finite(model):
-                    raise NonFiniteError(f"step {it}: the weights are not finite, so no checkpoint was written; "
-                                         f"last good checkpoint: {guard.last_good or 'none'}; lower optimizer.lr "
-                                         "and resume from it")
-                health = guard.checkpoint_state()
-                saved = checkpointing.save(ck.dir, it, model, optimizer, scheduler, batches.state_dict(),
-                                           ck.keep_last, meta_files=checkpoint_meta(cfg), saves=saves,
-                                           extra={**(lineage or {}), **health})
-                guard.saved(str(saved), health)
-                result.checkpoint = str(saved)
+                save_checkpoint(it)
             result.last_iteration = it
         flush_log()
         _log_data_summary(batches)

@@ -77,10 +77,12 @@ def test_sigterm_waits_for_the_save_in_flight(tmp_path):
     run = run_cli(tmp_path, "train.iters=8", "checkpoint.interval=2", f"checkpoint.dir={ck}",
                   "checkpoint.async_save=true", prelude=SLOW_WRITE_THEN_SIGTERM)
     assert run.rc == 143, run.stderr[-3000:]
-    assert run.last_line.startswith("stopped: SIGTERM after step 5; last "
-                                    f"checkpoint {ck}/iter_0000004; resume: the same command with "
-                                    f"checkpoint.load=latest checkpoint.dir={ck}"), run.last_line
-    assert (ck / "latest").read_text() == "iter_0000004" and manifest_problem(ck / "iter_0000004") is None
+    # the save due at step 4 was made then, or (deferred while the one of step 2 was still being
+    # written on a busy machine) when the signal came, after step 5: never lost
+    latest = (ck / "latest").read_text()
+    assert latest in ("iter_0000004", "iter_0000005") and manifest_problem(ck / latest) is None
+    assert run.last_line.startswith(f"stopped: SIGTERM after step 5; last checkpoint {ck}/{latest}; resume: the "
+                                    f"same command with checkpoint.load=latest checkpoint.dir={ck}"), run.last_line
 
 
 def test_staging_buffers_are_reused_from_one_save_to_the_next():
