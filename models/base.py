@@ -124,8 +124,8 @@ class MultimodalModel(MegatronModule):
         if self.pre_process:
             decoder_input, features = self._embed(tokens, pixel_values, image_grid_thw, image_feature_index,
                                                   vision_gather)
-        if mtp is not None:  # read once by the language model's post-process, then dropped
-            self.language_model.mtp_batch = {**mtp, "embeds": self._mtp_embeds(mtp, features)}
+        # read once by the language model's post-process (set every forward: none left from a failed one)
+        self.language_model.mtp_batch = None if mtp is None else {**mtp, "embeds": self._mtp_embeds(mtp, features)}
         return self.language_model(
             input_ids=tokens,
             position_ids=position_ids,

@@ -105,6 +105,8 @@ def stage_params(m: ModelConfig, tp: int = 1, pp: int = 1, ep: int = 1, stage: i
     dense_mlp, expert_mlp = mlp_params(m, tp, ep)
     # MTP depths (last stage): eh_proj [H, 2H] (column-parallel), a full-attention layer, 5 norms
     depth = getattr(m, "mtp_num_layers", 0) if last else 0
+    if depth:
+        kinds["mtp"] = depth
     mtp_experts = depth * expert_mlp
     parts = {
         "embedding": m.vocab_size // tp * h if first else 0,
@@ -159,6 +161,8 @@ def activation_bytes_per_token(m: ModelConfig, lay) -> dict[str, float]:
     g = KV groups, d = head_dim, h = hidden, f = ffn, K/V = GDN key/value widths, nv = GDN value
     heads, dk = key head dim, E/k/fe/fs = experts/top-k/expert ffn/shared ffn:
       every layer    8h          two RMSNorms: input + output
+      MTP depth      an attention layer + 12h: enorm/hnorm in/out, the [e, h] concat (eh_proj's
+                                  input), its output
       attention      12ad + 8gd  q|gate|k|v, normed q/k, rotated q/k, attention out, gated out
       GDN            8K + 14V + 4*nv*dk + 266*nv
                                   in_proj out, conv out, l2-normed q/k repeated to nv heads, v, z,
@@ -187,8 +191,10 @@ def activation_bytes_per_token(m: ModelConfig, lay) -> dict[str, float]:
                + 8 * fs / t)
     else:
         mlp = 8 * m.ffn_hidden_size / t
+    attention = common + (12 * a * d + 8 * g * d) / t + mlp
     return {
-        "attention": common + (12 * a * d + 8 * g * d) / t + mlp,
+        "attention": attention,
+        "mtp": attention + 12 * h / sp,
         "gdn": common + (8 * qk + 14 * v + 4 * nv * dk + 266 * nv) / t + mlp,
     }
 
