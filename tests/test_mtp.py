@@ -72,6 +72,7 @@ def test_bad_mtp_configs_are_refused_in_one_line():
         (["model.mtp_num_layers=-1"], "mtp_num_layers must be >= 0"),
         (["model.mtp_loss_scale=-0.1"], "mtp_loss_scale must be >= 0"),
         (["model.freeze=[mtp]"], "drop mtp from model.freeze"),
+        (["model.freeze=[vision,merger,language,embedding,lm_head]"], "nothing would train"),
     ]:
         cfg = load_config("configs/qwen35_vl_proxy.yaml", overrides)
         with pytest.raises(ConfigError, match=match):

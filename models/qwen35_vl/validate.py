@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from core.errors import require
 from fused_kernels.gated_delta_rule import GDN_BACKENDS
+from models.base import PARAMETER_GROUPS
 from models.qwen35_vl.config import ModelConfig
 
 
@@ -46,6 +47,9 @@ def validate(m: ModelConfig, p) -> None:
     require(m.mtp_loss_scale >= 0, f"model.mtp_loss_scale must be >= 0, got {m.mtp_loss_scale}")
     require(m.mtp_num_layers or "mtp" not in m.freeze,
             "model.freeze names mtp but model.mtp_num_layers=0 (no MTP head): drop mtp from model.freeze")
+    require(m.mtp_num_layers or not set(PARAMETER_GROUPS) - {"mtp"} <= set(m.freeze),
+            "model.freeze: every group is frozen (there is no MTP head, model.mtp_num_layers=0), nothing "
+            "would train; leave at least one out")
     if m.mtp_num_layers:
         require(p.pp == 1, f"model.mtp_num_layers={m.mtp_num_layers} runs on one pipeline stage only: set "
                 "parallel.pp=1 (or model.mtp_num_layers=0 to train without the MTP head)")
