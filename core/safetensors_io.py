@@ -149,6 +149,48 @@ def shard_name(k: int, n: int) -> str:
     return SINGLE_FILE if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
 
 
+class ShardFile:
+    """A safetensors file written tensor by tensor: the header (every name, dtype and shape, known
+    from a plan) first, then each tensor's bytes at its offset whenever it is ready, in any order.
+    Nothing but the tensor being written is held."""
+
+    def __init__(self, path: Path, entries: list[tuple[str, torch.dtype, tuple[int, ...]]]):
+        names = {v: k for k, v in _DTYPES.items()}
+        header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+        self._span: dict[str, tuple[int, int]] = {}
+        pos = 0
+        for name, dtype, shape in entries:
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            header[name] = {"dtype": names[dtype], "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+            self._span[name] = (pos, nbytes)
+            pos += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+        self._base = 8 + len(raw)
+        self.path, self.size = path, self._base + pos
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.pwrite(self._fd, len(raw).to_bytes(8, "little") + raw, 0)
+        os.ftruncate(self._fd, self.size)
+        self._left = set(self._span)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        start, nbytes = self._span[name]
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+        if data.nbytes != nbytes:
+            raise ValueError(f"{self.path.name}: {name} has {data.nbytes} bytes, the header says {nbytes}")
+        view, done = memoryview(data), 0
+        while done < nbytes:
+            done += os.pwrite(self._fd, view[done:], self._base + start + done)
+        self._left.discard(name)
+
+    def close(self) -> int:
+        os.close(self._fd)
+        os.chmod(self.path, 0o644)
+        if self._left:
+            raise ValueError(f"{self.path.name}: {len(self._left)} planned tensor(s) never written, e.g. {min(self._left)}")
+        return self.size
+
+
 def write_shard(path: Path, tensors: dict[str, torch.Tensor]) -> int:
     """One shard, readable by everyone (0644); returns its size in bytes."""
     from safetensors.torch import save_file
@@ -180,7 +222,7 @@ def parse_size(text: str | int) -> int:
 
 
 def return_freed_memory() -> None:
-    """Make glibc hand buffers of 1 MiB and more back to the OS when they are freed. By default its
+    """Make glibc hand buffers of 128 KiB and more back to the OS when they are freed. By default its
     threshold rises to the largest buffer freed so far, after which tensors of that size come from
     the heap, whose freed space the process keeps: a conversion that holds one tensor at a time
     would still grow with the number of tensors it has made."""
@@ -190,8 +232,8 @@ def return_freed_memory() -> None:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         m_trim_threshold, m_mmap_threshold = -1, -3
-        libc.mallopt(m_mmap_threshold, 1 << 20)
-        libc.mallopt(m_trim_threshold, 1 << 20)
+        libc.mallopt(m_mmap_threshold, 128 << 10)  # glibc's initial value, kept fixed
+        libc.mallopt(m_trim_threshold, 128 << 10)
     except (OSError, AttributeError):  # not glibc: nothing to tune
         pass
 

@@ -587,7 +587,13 @@ def validate_moe_a2a_overlap(cfg: Config) -> None:
 
 def resolve_sources(cfg: Config) -> Config:
     """Fill what the recipe delegates to files: the architecture from ``model.hf_config`` and the
-    special token ids from ``data.tokenizer`` (never guessed). Idempotent; call before validate."""
+    special token ids from ``data.tokenizer`` (never guessed). Idempotent; call before validate.
+    ``checkpoint.load`` naming a Hugging Face folder is also the architecture, unless
+    ``model.hf_config`` names one."""
+    from multimodal.hf_convert import is_hf_folder
+
+    if cfg.checkpoint.load and not cfg.model.hf_config and is_hf_folder(cfg.checkpoint.load):
+        cfg.model.hf_config = cfg.checkpoint.load
     if cfg.model.hf_config:
         family = get_model_family(cfg.model.name)
         _require(family.hf_adapter is not None, f"model.hf_config: model.name={cfg.model.name} has no Hugging "

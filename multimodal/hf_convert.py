@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from core.safetensors_io import (SafetensorsFolder, plan_shards, run_parallel, shard_name, write_index,
+from core.safetensors_io import (SafetensorsFolder, ShardFile, plan_shards, run_parallel, shard_name, write_index,
                                  write_shard)
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,22 @@ class Chunk:
     param: str
     view: tuple[tuple[int, ...], tuple[int, ...], int]  # size, stride, storage offset in the param
     experts: tuple[int, int] | None = None  # (lo, hi) of a stacked expert weight
+
+
+def init_single_process() -> None:
+    """One gloo process with every parallel size 1 and seeded RNG streams: what building a model
+    (even on the meta device) needs outside the trainer."""
+    from megatron.core import parallel_state as ps
+
+    from core.safetensors_io import return_freed_memory
+    from core.seeding import seed_everything
+    from multimodal.platform import init_distributed
+
+    return_freed_memory()
+    init_distributed()
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(1, 1)
+    seed_everything(0)
 
 
 def meta_model(m, family):
@@ -313,27 +329,22 @@ def export_hf(ckpt: Path, out: str | Path, m, adapter, family, dtype: torch.dtyp
     stored = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     drop = {"lm_head.weight"} if m.tie_word_embeddings else set()
 
-    def itemsize(name: str) -> int:
-        return (dtype or stored[_first_key(name)].properties.dtype).itemsize
+    first_key: dict[str, str] = {}
+    for c in chunks:
+        first_key.setdefault(c.param, c.key)
 
-    def _first_key(param: str) -> str:
-        return next(c.key for c in chunks if c.param == param)
-
-    # every HF tensor, its unit and size, from the meta model
-    sizes: dict[str, int] = {}
-    names_of_unit: dict[str, list[str]] = {}
+    # every HF tensor: its unit, dtype and shape, from the meta model
+    entries_of_unit: dict[str, list[tuple[str, torch.dtype, tuple[int, ...]]]] = {}
     for name, src in sources.items():
+        out_dtype = dtype or stored[first_key[name]].properties.dtype
         for hf_name, t in adapter.split_to_hf(src, params[name], m).items():
-            if hf_name in drop:
-                continue
-            names_of_unit.setdefault(src.unit, []).append(hf_name)
-            sizes[src.unit] = sizes.get(src.unit, 0) + t.numel() * itemsize(name)
-    produced = {h for v in names_of_unit.values() for h in v}
+            if hf_name not in drop:
+                entries_of_unit.setdefault(src.unit, []).append((hf_name, out_dtype, tuple(t.shape)))
+    produced = {e[0] for v in entries_of_unit.values() for e in v}
     carried = [n for n in carry.names if n.startswith(carry_prefix) and n not in produced] if carry else []
-    units = [(u, sizes[u]) for u in names_of_unit]
     if carried:
-        names_of_unit["carried"] = carried
-        units.append(("carried", sum(torch.Size(carry.shape(n)).numel() * carry.dtype(n).itemsize for n in carried)))
+        entries_of_unit["carried"] = [(n, carry.dtype(n), carry.shape(n)) for n in carried]
+    units = [(u, sum(torch.Size(s).numel() * d.itemsize for _, d, s in entries)) for u, entries in entries_of_unit.items()]
     shards = plan_shards(units, max_shard_bytes)
     outd = Path(out)
     outd.mkdir(parents=True, exist_ok=True)
@@ -341,22 +352,26 @@ def export_hf(ckpt: Path, out: str | Path, m, adapter, family, dtype: torch.dtyp
     weight_map: dict[str, str] = {}
 
     def write(k: int):
-        tensors: dict[str, torch.Tensor] = {}
-        ours_units = [u for u in shards[k] if u != "carried"]
-        if ours_units:
-            state = load_units(ckpt, ours_units, chunks_by_unit, stored, params)
-            if transform is not None:
-                state = transform(state)
-            for name, t in state.items():
-                for hf_name, piece in adapter.split_to_hf(sources[name], t, m).items():
-                    if hf_name not in drop:
-                        tensors[hf_name] = piece if dtype is None else piece.to(dtype)
-        if "carried" in shards[k]:
-            tensors.update({n: carry.get(n) for n in carried})
+        """Shard k, one unit at a time: what is held is the unit being written."""
         file = shard_name(k, len(shards))
-        nbytes = write_shard(outd / file, tensors)
-        progress.add(sum(t.numel() * t.element_size() for t in tensors.values()))
-        return {n: file for n in tensors}, nbytes
+        shard = ShardFile(outd / file, [e for u in shards[k] for e in entries_of_unit[u]])
+        for unit in shards[k]:
+            if unit == "carried":
+                tensors = {n: carry.get(n) for n in carried}
+            else:
+                state = load_units(ckpt, [unit], chunks_by_unit, stored, params)
+                if transform is not None:
+                    state = transform(state)
+                tensors = {}
+                for name, t in state.items():
+                    for hf_name, piece in adapter.split_to_hf(sources[name], t, m).items():
+                        if hf_name not in drop:
+                            tensors[hf_name] = piece if dtype is None else piece.to(dtype)
+            for hf_name, t in tensors.items():
+                shard.write(hf_name, t)
+                progress.add(t.numel() * t.element_size())
+            del tensors
+        return dict.fromkeys((e[0] for u in shards[k] for e in entries_of_unit[u]), file), shard.close()
 
     total = 0
     for names, nbytes in run_parallel([lambda k=k: write(k) for k in range(len(shards))], workers):
@@ -410,3 +425,127 @@ def write_random_hf(m, adapter, family, out: str | Path, dtype: torch.dtype = to
     write_index(outd, weight_map, total)
     (outd / "config.json").write_text(json.dumps(adapter.hf_config_from_ours(m), indent=2))
     return {"tensors": len(weight_map), "shards": len(shards), "bytes": total}
+
+
+# ------------------------------------------------------------------------------ direct loading
+
+
+def is_hf_folder(path: str | Path) -> bool:
+    """A Hugging Face checkpoint folder (config.json + safetensors), as ``checkpoint.load`` takes it."""
+    from core.safetensors_io import is_safetensors_folder
+
+    return (Path(path) / "config.json").is_file() and is_safetensors_folder(path)
+
+
+@dataclass
+class ReferencePlan:
+    """Where every stored tensor of the TP=1 model lives in our TP=1 parameters."""
+
+    chunks: dict[str, list[Chunk]]
+    first_dim_stride: dict[str, int]
+
+
+def reference_plan(m, family) -> ReferencePlan:
+    """The TP=1 chunk plan of model section ``m``. Megatron's layers read the global parallel
+    state, so this runs while that state is every size 1: call it before the run's layout is set
+    up (it sets up and tears down a trivial one itself when none is)."""
+    from megatron.core import parallel_state as ps
+
+    from core.seeding import seed_everything
+
+    own = not ps.model_parallel_is_initialized()
+    if own:
+        ps.initialize_model_parallel(1, 1)
+    elif ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size() \
+            * ps.get_expert_model_parallel_world_size() * ps.get_context_parallel_world_size() > 1:
+        raise RuntimeError("reference_plan needs the TP=PP=EP=CP=1 parallel state; call it before the layout's")
+    try:
+        seed_everything(0)
+        reference = meta_model(m, family)
+        plan: dict[str, list[Chunk]] = {}
+        for c in chunk_plan(reference)[0]:
+            plan.setdefault(c.key, []).append(c)
+        strides = {n: p.stride(0) for n, p in reference.named_parameters() if p.dim()}
+    finally:
+        if own:
+            ps.destroy_model_parallel()
+    return ReferencePlan(plan, strides)
+
+
+def load_hf_weights(model, hf_dir: str | Path, m, adapter, plan: ReferencePlan) -> dict:
+    """Fill this rank's ``model`` (any TP/PP/EP/CP layout) from an HF folder, with no conversion
+    step: every piece the rank holds is cut out of the TP=1 tensor it belongs to (``plan``, from
+    ``reference_plan``), made from the HF tensors it needs when it is needed. A rank reads the
+    tensors of its own pipeline stage and, of a stacked expert weight, only its own experts. LoRA
+    adapters, which HF weights do not have, keep their initial values. Returns counts for the log."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+
+    from models.common.lora import is_adapter_param
+
+    folder = SafetensorsFolder(hf_dir)
+    fused = any(n.endswith("mlp.experts.gate_up_proj") for n in folder.names)
+    sources = adapter.hf_sources(m, fused)
+    missing = sorted({n for src in sources.values() for n in src.hf} - set(folder.names))
+    if missing:
+        hint = ("; set model.mtp_num_layers=0 to train without an MTP head" if missing[0].startswith("mtp.")
+                else "; does config.json describe these weights?")
+        raise ValueError(f"checkpoint.load={hf_dir}: {len(missing)} tensor(s) the model needs are not in the "
+                         f"folder, e.g. {missing[0]}{hint}")
+    done = {"tensors": 0, "bytes": 0, "fresh": 0}
+    with torch.no_grad():
+        for name, entry in model.sharded_state_dict().items():
+            if isinstance(entry, ShardedObject):
+                continue
+            if isinstance(entry, ShardedTensorFactory):
+                built = entry.build()
+                pieces = list(built.values()) if isinstance(built, dict) else list(built)
+            else:
+                pieces = [entry]
+            for st in pieces:
+                assert isinstance(st, ShardedTensor), name
+                if st.key not in plan.chunks:
+                    if is_adapter_param(name):
+                        done["fresh"] += 1
+                        continue
+                    raise KeyError(f"checkpoint.load={hf_dir}: no Hugging Face tensor maps to {st.key}")
+                _fill(st, plan.chunks[st.key], sources, folder, m, plan.first_dim_stride, adapter)
+                done["tensors"] += 1
+                done["bytes"] += st.data.numel() * st.data.element_size()
+    folder.close()
+    return done
+
+
+def _fill(st, chunks: list[Chunk], sources: dict, folder: SafetensorsFolder, m, strides: dict, adapter) -> None:
+    """Copy into ``st.data`` (this rank's piece of a global tensor, at ``st.global_offset``) the
+    overlapping parts of the TP=1 chunks that store that tensor."""
+    if st.prepend_axis_num or st.flattened_range is not None:
+        raise ValueError(f"{st.key}: a prepended or flattened shard cannot be loaded from Hugging Face directly")
+    offset, shape = list(st.global_offset), list(st.local_shape)
+    for c in chunks:
+        lo = [max(a, b) for a, b in zip(offset, c.offset)]
+        hi = [min(a + s, b + t) for a, s, b, t in zip(offset, shape, c.offset, c.shape)]
+        if any(h <= l for l, h in zip(lo, hi)):
+            continue
+        src = sources[c.param]
+        experts = c.experts
+        if experts is not None:  # only the experts this piece overlaps
+            experts = (lo[0], hi[0])
+        full = adapter.build_from_hf(src, folder.get, m, experts)
+        if experts is None:
+            data = _view(full.contiguous(), c)
+        else:
+            span = Chunk(c.key, (experts[0], *c.offset[1:]), (experts[1] - experts[0], *c.shape[1:]), c.global_shape,
+                         c.param, _sub_view(c, experts), experts)
+            data = _view(full.contiguous(), span, experts[0], strides[c.param])
+            c = span
+        src_region = data[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, c.offset))]
+        dst_region = st.data[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offset))]
+        dst_region.copy_(src_region)
+
+
+def _sub_view(c: Chunk, experts: tuple[int, int]) -> tuple:
+    """The view geometry of rows ``experts`` of an expert chunk."""
+    size, stride, storage_offset = c.view
+    first = experts[0] - c.offset[0]
+    return ((experts[1] - experts[0], *size[1:]), stride, storage_offset + first * stride[0])
+

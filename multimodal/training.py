@@ -25,8 +25,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from data.loader import MicroBatchIterator, build_dataset, default_num_workers
 from data.prefetch import Prefetcher
-from models import get_model_builder, get_model_family
-from multimodal import checkpointing, platform
+from models import get_hf_adapter, get_model_builder, get_model_family
+from multimodal import checkpointing, hf_convert, platform
 from multimodal.config import Config, ConfigError, resolve_sources, validate, vision_warmup_patches
 from multimodal.context_parallel import sequence_pad_multiple
 from core.errors import NonFiniteError
@@ -204,6 +204,11 @@ def train(cfg: Config) -> TrainResult:
     resolve_sources(cfg)
     validate(cfg, rt.world_size)
     p = cfg.parallel
+    hf_plan = None
+    if cfg.checkpoint.load and hf_convert.is_hf_folder(cfg.checkpoint.load):
+        # where each stored tensor sits in the TP=1 model: megatron reads its layout from the global
+        # parallel state, so this is worked out before the run's own layout is set up
+        hf_plan = hf_convert.reference_plan(cfg.model, get_model_family(cfg.model.name))
     ps.initialize_model_parallel(
         tensor_model_parallel_size=p.tp,
         pipeline_model_parallel_size=p.pp,
@@ -211,12 +216,12 @@ def train(cfg: Config) -> TrainResult:
         expert_model_parallel_size=p.ep,
     )
     try:
-        return _train(cfg, rt)
+        return _train(cfg, rt, hf_plan)
     finally:
         ps.destroy_model_parallel()
 
 
-def _train(cfg: Config, rt: Runtime) -> TrainResult:
+def _train(cfg: Config, rt: Runtime, hf_plan=None) -> TrainResult:
     t = cfg.train
     seed_everything(t.seed)
     use_deterministic_algorithms(t.deterministic)
@@ -227,17 +232,19 @@ def _train(cfg: Config, rt: Runtime) -> TrainResult:
     if t.cuda_graphs and rt.is_cuda:
         previous_stream = layer_graphs.use_side_stream()  # before DDP creates its gradient accumulator nodes
     try:
-        return _build_and_loop(cfg, rt, dtype, mem)
+        return _build_and_loop(cfg, rt, dtype, mem, hf_plan)
     finally:
         if previous_stream is not None:
             torch.cuda.current_stream().synchronize()
             torch.cuda.set_stream(previous_stream)
 
 
-def _build_and_loop(cfg: Config, rt: Runtime, dtype: torch.dtype, mem: MemoryTools) -> TrainResult:
+def _build_and_loop(cfg: Config, rt: Runtime, dtype: torch.dtype, mem: MemoryTools, hf_plan=None) -> TrainResult:
     t, m = cfg.train, cfg.model
     # before anything is built: a mistyped checkpoint.load stops here, in a second, not after the model
-    load_path = checkpointing.resolve(cfg.checkpoint.load, cfg.checkpoint.dir) if cfg.checkpoint.load else None
+    # (a Hugging Face folder is read directly into the model, ``hf_plan``)
+    load_path = checkpointing.resolve(cfg.checkpoint.load, cfg.checkpoint.dir) \
+        if cfg.checkpoint.load and hf_plan is None else None
     lineage = None
     if cfg.checkpoint.dir:  # a folder that cannot take this run's checkpoints stops it now, not at the first save
         checkpointing.check_writable(cfg.checkpoint.dir)
@@ -264,12 +271,21 @@ def _build_and_loop(cfg: Config, rt: Runtime, dtype: torch.dtype, mem: MemoryToo
     )
 
     start, last_good = 0, None
+    if hf_plan is not None:
+        family = get_model_family(m.name)
+        counts = hf_convert.load_hf_weights(model, cfg.checkpoint.load, m, get_hf_adapter(family), hf_plan)
+        log.info("loaded %d tensors (%.2f GB on this rank) straight from the Hugging Face folder %s; optimizer "
+                 "and step start fresh", counts["tensors"], counts["bytes"] / 1e9, cfg.checkpoint.load)
     if load_path is not None:
         start, data_state = checkpointing.load(load_path, model, optimizer, scheduler,
                                                model_config=dataclasses.asdict(m), trust=cfg.checkpoint.trust)
         last_good = str(load_path)
         if data_state is not None:
             loader.load_state_dict(data_state)
+    if start == 0 and (hf_plan is not None or load_path is not None) and hasattr(optimizer, "reload_model_params"):
+        # weights loaded after the optimizer was built: its fp32 main copies (bf16 training) are
+        # still the initial weights until they are copied again
+        optimizer.reload_model_params()
 
     depth = cfg.data.prefetch if cfg.data.prefetch is not None else (2 if rt.is_cuda else 0)
     family = get_model_family(m.name)

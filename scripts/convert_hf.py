@@ -55,18 +55,9 @@ log = logging.getLogger("convert_hf")
 
 
 def _init():
-    from megatron.core import parallel_state as ps
+    from multimodal.hf_convert import init_single_process
 
-    from multimodal.platform import init_distributed
-    from core.seeding import seed_everything
-
-    from core.safetensors_io import return_freed_memory
-
-    return_freed_memory()
-    init_distributed()
-    if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(1, 1)
-    seed_everything(0)
+    init_single_process()
 
 
 def _build(m: ModelConfig):

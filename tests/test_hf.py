@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers.hf_fixtures import make_hf_checkpoint  # tests/ is on sys.path (conftest)
+from helpers.hf_fixtures import add_mtp_head, make_hf_checkpoint  # tests/ is on sys.path (conftest)
 from models.qwen35_vl.hf import load_hf_state_dict, model_config_from_hf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,6 +120,24 @@ def test_training_starts_from_converted_weights_and_its_checkpoint_exports(tmp_p
     out = tmp_path / "exported"
     _run("scripts/convert_hf.py", "export", "--ckpt", str(tmp_path / "trained"), "--out", str(out))
     _assert_same_tensors(hf_dir, out)
+    # checkpoint.load=<the HF folder> (its config.json the architecture): no import step, the same losses
+    _run("pretrain_multimodal.py", "--config", "configs/qwen35_vl_proxy.yaml", f"checkpoint.load={hf_dir}",
+         f"checkpoint.dir={tmp_path / 'direct'}", f"logging.dir={tmp_path / 'log_direct'}",
+         "logging.progress_bar=false", "train.iters=2", "train.seq_length=256", "data.max_image_side=64",
+         "data.max_text_tokens=48", "model.im_start_token_id=504", "model.im_end_token_id=505",
+         "model.eos_token_id=506", "model.pad_token_id=507", "optimizer.lr=0", "optimizer.min_lr=0")
+    direct = [json.loads(x) for x in (tmp_path / "log_direct" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in direct] == [r["loss"] for r in rows]
+
+
+def test_direct_hugging_face_loading_equals_import_under_tp_pp_ep(tmp_path):
+    """checkpoint.load=<HF folder> fills every rank's part of the model with the tensors
+    import-then-load gives, bit for bit, under TP=2, PP=2 and EP=2 (tests/helpers/mp_hf_load.py)."""
+    hf_dir = make_hf_checkpoint(tmp_path / "hf", moe=True, layers=4, tied=True)
+    add_mtp_head(hf_dir)
+    _run("scripts/convert_hf.py", "import", "--hf-dir", str(hf_dir), "--out", str(tmp_path / "ckpt"))
+    out = _run("tests/helpers/mp_hf_load.py", str(hf_dir), str(tmp_path / "ckpt"), "tp=2", "pp=2", "ep=2", nproc=2)
+    assert [line.split(":")[0] for line in out.splitlines() if "tensors equal" in line] == ["tp=2", "pp=2", "ep=2"]
 
 
 def _refused(*cmd: str) -> str:
