@@ -17,6 +17,10 @@ names a checkpoint still being written, and a kill -9 at any moment leaves the p
   and logs its rate in GB/s.
 - A full disk in the writer process is reported as on the synchronous path (partial files
   removed, earlier checkpoints intact).
+- megatron's writer reports back through a ``multiprocessing`` Manager queue that it starts at the
+  first save: a spawned process that imports the entry point's modules (torch, megatron) before
+  it answers, seconds during which training waited. It is started in the background when the run
+  starts (``_start_results_queue``), and the first save only waits for what is left of that.
 - The host copies go into page-locked buffers kept from one save to the next (``PinnedStaging``),
   page-locked in the background during the first steps (``reserve``), so that not even the first
   save pays for it.
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import multiprocessing
 import os
 import threading
 import time
@@ -225,6 +230,34 @@ class AsyncSaves:
         self.in_flight = None  # (root, tmp, bytes needed) of the save being written
         self.submitted_at = 0.0  # time.perf_counter() of the save in flight
         self.deferred: int | None = None  # the step whose save waits for the one in flight
+        self._results_queue = self._start_results_queue()
+
+    @staticmethod
+    def _start_results_queue() -> threading.Thread | None:
+        """Start megatron's writer-results queue (its module-level Manager queue) in a thread."""
+        from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+        if fa._results_queue is not None:
+            return None
+
+        def run():
+            queue = multiprocessing.get_context("spawn").Manager().Queue()  # as fa.get_write_results_queue
+            if fa._results_queue is None:
+                fa._results_queue = queue
+
+        thread = threading.Thread(target=run, name="checkpoint-results-queue", daemon=True)
+        thread.start()
+        return thread
+
+    def ready(self) -> None:
+        """Called before megatron's save: the results queue exists (else the save would start its own)."""
+        if self._results_queue is not None:
+            t0 = time.perf_counter()
+            self._results_queue.join()
+            self._results_queue = None
+            if time.perf_counter() - t0 > 0.1:
+                log.info("checkpoint: waited %.1f s for the writer's results queue, still starting",
+                         time.perf_counter() - t0)
 
     def reserve_staging(self, model, optimizer) -> None:
         """Page-lock the first save's host buffers in the background (GPU runs; the trainer calls

@@ -166,6 +166,8 @@ def _write(root: Path, iteration: int, sharded: dict, trainer: dict, meta_files:
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
         dist.barrier()
+        if saves is not None:
+            saves.ready()
         with writer_errors:
             # "mcore": megatron's own writer process (its default, "nvrx", needs nvidia-resiliency-ext)
             request = dist_checkpointing.save(sharded, str(tmp), sharded_strategy=_save_strategy(),
@@ -244,10 +246,18 @@ def save(ckpt_dir: str, iteration: int, model, optimizer, scheduler, data_state:
     ``extra``: more trainer-state fields (the run's lineage, the loss / grad-norm history)."""
     # the trainer checks the weights before every save (multimodal/nonfinite.py): pruning keeps
     # the newest checkpoint marked so
+    t0 = time.perf_counter()
     trainer = {"iteration": iteration, "scheduler": scheduler.state_dict(), "world_size": dist.get_world_size(),
                "finite": True, **_data_parallel_map(), **(extra or {})}
-    return _write(Path(ckpt_dir), iteration, _sharded_state(model, optimizer, is_loading=False), trainer,
-                  meta_files, {"rng": _rng_state(), "data": data_state}, keep_last, saves)
+    sharded = _sharded_state(model, optimizer, is_loading=False)
+    t1 = time.perf_counter()
+    final = _write(Path(ckpt_dir), iteration, sharded, trainer, meta_files, {"rng": _rng_state(), "data": data_state},
+                   keep_last, saves)
+    if saves is not None and dist.get_rank() == 0:  # what of an asynchronous save training waited for
+        log.info("checkpoint %s: training paused %.2f s (state dicts %.2f s; megatron's save planning, host "
+                 "staging and the writer's start %.2f s); the files are written in the background",
+                 final.name, time.perf_counter() - t0, t1 - t0, time.perf_counter() - t1)
+    return final
 
 
 def _data_parallel_map() -> dict:
