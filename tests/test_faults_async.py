@@ -203,3 +203,23 @@ def test_a_save_due_while_the_previous_one_writes_is_deferred_with_one_warning(t
     assert (ck / "latest").read_text() == "iter_0000006" and manifest_problem(ck / "iter_0000006") is None
     rates = [x for x in run.stderr.splitlines() if "GB/s" in x and "writer threads" in x]
     assert rates, run.stderr[-3000:]  # the writer process reports each write's rate
+
+
+def test_the_writer_results_queue_is_started_with_the_run_not_at_the_first_save():
+    """megatron starts its writer-results Manager (a spawned process) inside the first save, which
+    then paused training for seconds; AsyncSaves starts it in the background at construction."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+    from multimodal.async_saves import AsyncSaves
+
+    before, fa._results_queue = fa._results_queue, None
+    saves = AsyncSaves()
+    try:
+        assert saves._results_queue is not None  # the thread that starts it
+        saves.ready()  # what a save does first: waits for what is left of the start
+        assert fa._results_queue is not None and saves._results_queue is None
+        queue = fa._results_queue
+        assert fa.get_write_results_queue() is queue  # megatron's save takes this one
+    finally:
+        saves.close()
+        fa._results_queue = before or fa._results_queue
