@@ -3,6 +3,7 @@ released layout: config.json, model-0000K-of-0000N.safetensors, index), shard by
 memory: for timing and sizing conversions without downloading a release.
 
     python scripts/make_synthetic_hf.py --out /tmp/moe16 --layers 16 --hidden 1024 --experts 64
+    python scripts/make_synthetic_hf.py --out /tmp/a3b4 --config configs/qwen35_vl_35b_a3b.yaml --layers 4
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ console.quiet_dependency_warnings("--verbose" in sys.argv)
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--config", help="take the shapes from this recipe's model section (--layers, --mtp still apply)")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--experts", type=int, default=64, help="0: a dense model")
@@ -36,6 +38,15 @@ def main(argv=None) -> int:
     from multimodal.hf_convert import init_single_process, write_random_hf
 
     init_single_process()
+    if args.config:
+        from multimodal.config import load_config
+
+        m = load_config(args.config).model
+        m = dataclasses.replace(m, num_layers=args.layers, mtp_num_layers=args.mtp, hf_config=None)
+        family = get_model_family(m.name)
+        stats = write_random_hf(m, get_hf_adapter(family), family, args.out, max_shard_bytes=parse_size(args.shard_size))
+        print(f"{args.out}: {stats['tensors']} tensors, {stats['shards']} shard(s), {stats['bytes'] / 2**30:.2f} GiB")
+        return 0
     family = get_model_family("qwen35_vl")
     base = family.config_class()
     m = dataclasses.replace(
