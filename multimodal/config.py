@@ -187,6 +187,9 @@ class CheckpointConfig:
     # load a checkpoint without this framework's manifest.json (torch's reader unpickles its
     # .metadata, which can run code): only for files you trust
     trust: bool = False
+    # a folder: the final checkpoint is also written there as Hugging Face safetensors (shards +
+    # index + config.json, every rank writing its share), ready for from_pretrained or vLLM
+    save_hf: str | None = None
 
 
 @dataclass
@@ -466,6 +469,11 @@ def validate(cfg: Config, world_size: int = 1) -> None:
              "its step, so the step cannot run behind the next forward; set optimizer.overlap_step=null or false")
     _require(cfg.checkpoint.load != "latest" or cfg.checkpoint.dir is not None,
              "checkpoint.load=latest needs checkpoint.dir")
+    if cfg.checkpoint.save_hf:
+        _require(cfg.checkpoint.dir is not None and cfg.checkpoint.save_at_end,
+                 "checkpoint.save_hf writes the final checkpoint: it needs checkpoint.dir and checkpoint.save_at_end=true")
+        _require(get_model_family(cfg.model.name).hf_adapter is not None,
+                 f"checkpoint.save_hf: model.name={cfg.model.name} has no Hugging Face adapter; unset checkpoint.save_hf")
 
     model_parallel = p.tp * p.pp * p.cp
     _require(world_size % model_parallel == 0,

@@ -313,10 +313,13 @@ def load_units(ckpt: Path, units: list[str], chunks_by_unit: dict[str, list[Chun
 
 def export_hf(ckpt: Path, out: str | Path, m, adapter, family, dtype: torch.dtype | None, hf_config: dict,
               max_shard_bytes: int, workers: int = 1, carry: SafetensorsFolder | None = None,
-              carry_prefix: str = "mtp.", transform: Callable[[dict], dict] | None = None) -> dict:
+              carry_prefix: str = "mtp.", transform: Callable[[dict], dict] | None = None, rank: int = 0,
+              world: int = 1) -> dict:
     """Write our checkpoint at ``ckpt`` as HF safetensors shards + index + config.json in ``out``.
     ``carry``: an HF folder whose ``carry_prefix`` tensors this model does not hold (an MTP head
-    that was not trained) are copied over unchanged. ``transform``: applied to each unit's tensors before the mapping."""
+    that was not trained) are copied over unchanged. ``transform``: applied to each unit's tensors
+    before the mapping. ``rank``/``world``: every rank of a run writes every world-th shard, and
+    rank 0 the index and config.json."""
     from torch.distributed.checkpoint import FileSystemReader
 
     model = meta_model(m, family)
@@ -374,13 +377,22 @@ def export_hf(ckpt: Path, out: str | Path, m, adapter, family, dtype: torch.dtyp
         return dict.fromkeys((e[0] for u in shards[k] for e in entries_of_unit[u]), file), shard.close()
 
     total = 0
-    for names, nbytes in run_parallel([lambda k=k: write(k) for k in range(len(shards))], workers):
+    mine = [k for k in range(len(shards)) if k % world == rank]  # under torchrun: each rank its shards
+    for names, nbytes in run_parallel([lambda k=k: write(k) for k in mine], workers):
         weight_map.update(names)
         total += nbytes
     seconds, rate = progress.close()
-    write_index(outd, weight_map, total)
-    (outd / "config.json").write_text(json.dumps(hf_config, indent=2))
-    os.chmod(outd / "config.json", 0o644)
+    if world > 1:
+        import torch.distributed as dist
+
+        parts: list = [None] * world
+        dist.all_gather_object(parts, (weight_map, total, rate))
+        weight_map = {k: v for part in parts for k, v in part[0].items()}
+        total, rate = sum(p[1] for p in parts), sum(p[2] for p in parts)
+    if rank == 0:
+        write_index(outd, weight_map, total)
+        (outd / "config.json").write_text(json.dumps(hf_config, indent=2))
+        os.chmod(outd / "config.json", 0o644)
     return {"tensors": len(weight_map), "shards": len(shards), "bytes": total, "seconds": seconds,
             "gb_per_s": rate, "carried": len(carried)}
 
@@ -549,3 +561,31 @@ def _sub_view(c: Chunk, experts: tuple[int, int]) -> tuple:
     first = experts[0] - c.offset[0]
     return ((experts[1] - experts[0], *size[1:]), stride, storage_offset + first * stride[0])
 
+
+
+def save_hf_from_run(ckpt: Path, out: str | Path, m, family, rank: int, world: int) -> dict:
+    """``checkpoint.save_hf``: the run's final checkpoint as a Hugging Face folder, every rank writing
+    its share of the shards. The config is the source folder's (``model.hf_config``) when there is
+    one, with its tokenizer and processor files and, when this run trained no MTP head, that head
+    copied over unchanged."""
+    adapter = family.hf_adapter()
+    source = None
+    if m.hf_config and is_hf_folder(m.hf_config):
+        source = SafetensorsFolder(m.hf_config)
+    config_path = Path(m.hf_config) if m.hf_config else None
+    if config_path is not None and config_path.is_dir():
+        config_path = config_path / "config.json"
+    hf_config = json.loads(config_path.read_text()) if config_path and config_path.is_file() \
+        else adapter.hf_config_from_ours(m)
+    text = hf_config.get("text_config", hf_config)
+    carry = None
+    if int(text.get("mtp_num_hidden_layers", 0) or 0) and not int(getattr(m, "mtp_num_layers", 0) or 0):
+        if source is not None and any(n.startswith("mtp.") for n in source.names):
+            carry = source
+        else:
+            text["mtp_num_hidden_layers"] = 0
+    stats = export_hf(ckpt, out, m, adapter, family, None, hf_config, 5 * 10**9, workers=4, carry=carry,
+                      rank=rank, world=world)
+    if rank == 0 and source is not None:
+        copy_processor_files(source.path, Path(out))
+    return stats

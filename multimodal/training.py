@@ -447,9 +447,21 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
             saves.close()  # the save in flight is completed (or reported) before the run ends
         stop.uninstall()
     sink.close()
+    if ck.save_hf and _latest(ck):
+        _save_hf(cfg, Path(_latest(ck)), rt)
     if rt.is_main:
         log.info(_summary(cfg, result, start, time.perf_counter() - began, ps.get_data_parallel_world_size()))
     return result
+
+
+def _save_hf(cfg: Config, ckpt: Path, rt: Runtime) -> None:
+    """checkpoint.save_hf: the final checkpoint as a Hugging Face folder, shards shared among the ranks."""
+    stats = hf_convert.save_hf_from_run(ckpt, cfg.checkpoint.save_hf, cfg.model, get_model_family(cfg.model.name),
+                                        dist.get_rank(), dist.get_world_size())
+    if rt.is_main:
+        log.info("saved %s as Hugging Face weights in %s (%d tensors, %d shard(s), %.2f GB)%s", ckpt.name,
+                 cfg.checkpoint.save_hf, stats["tensors"], stats["shards"], stats["bytes"] / 1e9,
+                 f"; the untrained MTP head copied from {cfg.model.hf_config}" if stats["carried"] else "")
 
 
 def _latest(ck) -> str | None:

@@ -123,11 +123,13 @@ def test_training_starts_from_converted_weights_and_its_checkpoint_exports(tmp_p
     # checkpoint.load=<the HF folder> (its config.json the architecture): no import step, the same losses
     _run("pretrain_multimodal.py", "--config", "configs/qwen35_vl_proxy.yaml", f"checkpoint.load={hf_dir}",
          f"checkpoint.dir={tmp_path / 'direct'}", f"logging.dir={tmp_path / 'log_direct'}",
+         f"checkpoint.save_hf={tmp_path / 'saved_hf'}",
          "logging.progress_bar=false", "train.iters=2", "train.seq_length=256", "data.max_image_side=64",
          "data.max_text_tokens=48", "model.im_start_token_id=504", "model.im_end_token_id=505",
          "model.eos_token_id=506", "model.pad_token_id=507", "optimizer.lr=0", "optimizer.min_lr=0")
     direct = [json.loads(x) for x in (tmp_path / "log_direct" / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in direct] == [r["loss"] for r in rows]
+    _assert_same_tensors(hf_dir, tmp_path / "saved_hf")  # checkpoint.save_hf: lr = 0, the weights it loaded
 
 
 def test_direct_hugging_face_loading_equals_import_under_tp_pp_ep(tmp_path):
@@ -136,8 +138,11 @@ def test_direct_hugging_face_loading_equals_import_under_tp_pp_ep(tmp_path):
     hf_dir = make_hf_checkpoint(tmp_path / "hf", moe=True, layers=4, tied=True)
     add_mtp_head(hf_dir)
     _run("scripts/convert_hf.py", "import", "--hf-dir", str(hf_dir), "--out", str(tmp_path / "ckpt"))
-    out = _run("tests/helpers/mp_hf_load.py", str(hf_dir), str(tmp_path / "ckpt"), "tp=2", "pp=2", "ep=2", nproc=2)
+    out = _run("tests/helpers/mp_hf_load.py", str(hf_dir), str(tmp_path / "ckpt"), "tp=2", "pp=2", "ep=2",
+               f"--export={tmp_path / 'exported'}", nproc=2)
     assert [line.split(":")[0] for line in out.splitlines() if "tensors equal" in line] == ["tp=2", "pp=2", "ep=2"]
+    _assert_same_tensors(hf_dir, tmp_path / "exported")  # two ranks, each writing its share of the shards
+    assert len(json.loads((tmp_path / "exported" / "model.safetensors.index.json").read_text())["weight_map"]) > 0
 
 
 def _refused(*cmd: str) -> str:

@@ -1,11 +1,12 @@
 """Run by tests under torchrun: direct Hugging Face loading (checkpoint.load=<HF folder>) against
 import-then-load, under several layouts in one launch.
 
-    torchrun --nproc-per-node 2 tests/helpers/mp_hf_load.py HF_DIR CKPT tp=2 pp=2 ep=2
+    torchrun --nproc-per-node 2 tests/helpers/mp_hf_load.py HF_DIR CKPT tp=2 pp=2 ep=2 [--export=DIR]
 
 For each layout every rank builds its part of the model twice, fills one from the HF folder and one
 from the imported dist-checkpoint, and checks every tensor it holds is bit-for-bit the same
-(the same weights give the same losses); rank 0 prints one line per layout."""
+(the same weights give the same losses); rank 0 prints one line per layout. --export: then every
+rank writes its share of the imported checkpoint's HF shards (checkpoint.save_hf's path)."""
 
 from __future__ import annotations
 
@@ -30,8 +31,10 @@ def main() -> None:
     from scripts.convert_hf import model_config_of_checkpoint
 
     hf_dir, ckpt = sys.argv[1], checkpointing.resolve(sys.argv[2], None)
+    layouts = [a for a in sys.argv[3:] if not a.startswith("--export=")]
+    export = [a.split("=", 1)[1] for a in sys.argv[3:] if a.startswith("--export=")]
     init_distributed()
-    for layout in sys.argv[3:]:
+    for layout in layouts:
         dim, size = layout.split("=")
         p = ParallelConfig(**{dim: int(size)})
         m = model_config_of_checkpoint(ckpt, None)
@@ -53,6 +56,19 @@ def main() -> None:
         torch.distributed.all_reduce(total)
         if torch.distributed.get_rank() == 0:
             print(f"{layout}: {int(total)} tensors equal ({counts['tensors']} pieces read on rank 0)", flush=True)
+        ps.destroy_model_parallel()
+    if export:
+        import json
+
+        from multimodal.hf_convert import export_hf
+
+        ps.initialize_model_parallel(1, 1)
+        seed_everything(0)
+        m = model_config_of_checkpoint(ckpt, None)
+        family = get_model_family(m.name)
+        export_hf(ckpt, export[0], m, get_hf_adapter(family), family, None,
+                  json.loads((ckpt / "hf_config.json").read_text()), 200_000, rank=torch.distributed.get_rank(),
+                  world=torch.distributed.get_world_size())
         ps.destroy_model_parallel()
 
 
