@@ -9,7 +9,7 @@ def to_device_async(t: torch.Tensor, device) -> torch.Tensor:
     """Copy a host tensor to ``device`` asynchronously.
 
     A CUDA copy from pageable host memory waits for the stream to drain before it starts (the
-    profile of the 2B step showed ~5 ms stalls at such copies of per-batch metadata), so the
+    step's profile showed the GPU idle at such copies of per-batch metadata), so the
     tensor is pinned first; torch's caching host allocator reuses pinned blocks, so that is cheap
     after the first batches. Other devices get a plain copy.
     """

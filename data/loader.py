@@ -28,9 +28,9 @@ DATASETS = ("mock", "cord_v2", "conversations")
 def default_num_workers(is_cuda: bool, local_world_size: int | None = None) -> int:
     """``data.num_workers: null``: on a GPU, up to 4 decode processes per rank, with two of the
     rank's cores left to its training thread and prefetch thread; none on a CPU, where workers
-    would take the cores the model runs on. Why on a GPU: the 2B step on rows of 1-4 images of
-    224-1344 px ran 0.664 s with the loader in the training process (0.479 s of it waiting for
-    batches) and 0.365 s with 4 workers on the H200 machine's 16 cores (docs/performance.md)."""
+    would take the cores the model runs on. Why on a GPU: with varied images, decoding in the
+    training process leaves the GPU waiting for batches for much of the step
+    (docs/performance.md)."""
     if not is_cuda:
         return 0
     ranks = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -69,7 +69,7 @@ def load_tokenizer(data_cfg):
 @functools.lru_cache(maxsize=4)
 def _tokenizer(path: str):
     """One load per directory per process: start-up reads the special-token ids from it and the
-    dataset then encodes with it (it was loaded two or three times, seconds each for a real one).
+    dataset then encodes with it (loading a real one takes seconds).
     Only read afterwards, never modified."""
     from transformers import AutoTokenizer
 

@@ -3,9 +3,9 @@
 
 Per chunk of logits (the bf16 output of the LM-head GEMM), PyTorch needed an fp32 copy and
 five or six more passes over it: forward ``.float()``, ``logsumexp`` (max, subtract, exp,
-sum); backward ``.float()``, subtract, exp, one-hot, scale, cast back. On the 2B recipe
-(8K tokens x 248K vocabulary, ~2 GB of bf16 logits per pass) that was ~46 ms of a ~0.5 s
-H200 step. Here each direction is one pass:
+sum); backward ``.float()``, subtract, exp, one-hot, scale, cast back. With a 248K
+vocabulary the logits are the largest tensor of the step, so each extra pass over them is a
+visible share of it (docs/kernels.md). Here each direction is one pass:
 
 - ``row_lse_and_target``: one program per token row streams the row once, keeping a running
   max and rescaled sum (online logsumexp) in fp32, and reads the target logit;

@@ -2,8 +2,8 @@
 
 Why: fla 0.6.0's ``chunk_gated_delta_rule`` saves only its inputs and ``A``; its backward first
 runs ``recompute_w_u_fwd`` and ``chunk_gated_delta_rule_fwd_h`` again to rebuild ``w`` and the
-per-chunk states ``h`` the forward already had. On the 2B recipe that recomputation is ~4 ms of a
-~200 ms step (H200 profile; docs/kernels.md, Gated DeltaNet). Here the forward keeps ``w``, ``h``
+per-chunk states ``h`` the forward already had, work the backward can skip (docs/kernels.md,
+Gated DeltaNet). Here the forward keeps ``w``, ``h``
 and ``v_new`` (bf16; at 8K tokens and 16 heads of 128: h 67 MB, w and v_new 34 MB each per
 layer) and the backward starts at fla's first backward kernel.
 

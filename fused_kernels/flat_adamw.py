@@ -1,11 +1,11 @@
 """AdamW over flat buffers in one Triton kernel that also writes the bf16 model parameters.
 
-torch's fused AdamW walks a list of per-parameter tensors (multi_tensor_apply: ~110 launches of
-up to 4 tensors' chunks on the 2B model), and megatron then copies every fp32 main parameter to
-its bf16 model parameter (602 more launches, which read the 4-byte main parameters again). On an
-H200 the two took 21.0 + 3.9 ms of a 0.215 s 2B step, AdamW at ~3 TB/s of the ~4.2 TB/s a copy
-reaches. Here the fp32 main parameters, both moments and the bf16 model parameters live in flat
-buffers laid out like megatron's gradient buffer, so one kernel per parameter group reads
+torch's fused AdamW walks a list of per-parameter tensors (multi_tensor_apply: one launch per
+few tensors' chunks), and megatron then copies every fp32 main parameter to its bf16 model
+parameter (hundreds more launches, which read the 4-byte main parameters again). Both run below
+the device's copy bandwidth and together are a visible share of the step (docs/kernels.md).
+Here the fp32 main parameters, both moments and the bf16 model parameters live in flat buffers
+laid out like megatron's gradient buffer, so one kernel per parameter group reads
 param, grad, m, v once and writes param, m, v and the bf16 copy once (multimodal/performance/flat_adamw_patch.py
 does the layout and the wiring into megatron's optimizer).
 

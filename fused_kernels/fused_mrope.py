@@ -112,7 +112,7 @@ if triton is not None:
     # Token counts, sample counts and the strides that scale with them change from batch to batch
     # (the vision encoder's patch count above all). Triton would specialise on each integer's
     # value being 1 or a multiple of 16 and compile a new variant (and re-run the autotuner) when
-    # that changes mid-training, which cost whole seconds on the 2B recipe: not for these.
+    # that changes mid-training, which costs whole seconds each time: not for these.
     @triton.autotune(configs=_configs(), key=["H", "D", "HALF", "ZIGZAG"])
     @triton.jit(do_not_specialize=["n_tok", "S", "n_cu", "cp_size", "cp_rank", "sxb", "sob", "spa", "spb"])
     def _mrope_kernel(

@@ -14,7 +14,7 @@ pass over memory, and autograd keeps most intermediates. Here:
   A_log and dt_bias gradients as fp32 partial sums (reduced by torch: deterministic) and writes
   db, da. (2) a 4-tap fold, dx[t] = sum_j w[3-j] du[t+j]. Saved tensors: the inputs only
   (views of the in_proj output, which is alive anyway). A one-pass backward that rebuilt du
-  at t..t+3 in registers measured 3.6x slower on the H200: its per-token-block reductions,
+  at t..t+3 in registers measured slower: its per-token-block reductions,
   not memory, bound it (docs/kernels.md).
 
 Whole-projection entry (``fused_pre_gdr_from_proj``, what the model uses): the Function takes
@@ -22,7 +22,7 @@ in_proj's whole output [B, S, qkv | z | b | a] and returns z as a view of it. It
 allocates one gradient of that shape; the kernels write dqkv (the fold), db and da into their
 columns through strides and dz is copied into its own. Splitting outside the Function instead
 made autograd's split backward cat the four gradients into a fresh tensor, one more read and
-write of dqkv, db, da per layer (an H200 profile: 18 cat kernels, 1.24 ms of a ~186 ms step).
+write of dqkv, db, da per layer.
 
 Packed rows (B == 1 with ``cu_seqlens``): the conv reads and the tap folding never cross a
 sample boundary. A small kernel first tabulates every token's sample bounds from cu_seqlens on
@@ -115,9 +115,8 @@ if triton is not None:
         """[start, end) of the sample holding each token s of a packed row.
 
         A binary search per token for the last offset <= s: CU_STEPS = log2 of the bucketed offset
-        count loads per token. (Comparing every token with every offset cost as much as the
-        kernels' own work once CUDA graphs padded cu_seqlens to 66 offsets: _pre_gdr_fwd went
-        from 3.0 to 6.1 ms per 2B step on the H200.)"""
+        count loads per token. (Comparing every token with every offset costs as much as the
+        kernels' own work once CUDA graphs pad cu_seqlens to a few dozen offsets.)"""
         lo = tl.zeros_like(s)  # cu[lo] <= s holds throughout (cu[0] = 0)
         hi = tl.zeros_like(s) + (n_cu - 1)
         for _ in tl.static_range(CU_STEPS):

@@ -3,10 +3,10 @@
 Why not megatron-core's own fused function (torch.compile'd ``swiglu`` / ``swiglu_back``): its
 backward is ``cat((g * dsilu(a) * b, g * silu(a)), -1)``, which Inductor lowers to one kernel over
 the *output* [N, 2F] that, for every element, loads both halves of y and g again: each input
-byte is read twice (H200, 2B MLP at 8,192 tokens: 197 us per layer, about 4 TB/s of traffic but
-twice the bytes needed). Here each program owns a block of (row, column) pairs of the [N, F]
-half and writes both gradient halves from one read of a, b and g: 5 x N x F elements moved in
-the backward, the minimum, and 3 x N x F in the forward.
+byte is read twice (near copy bandwidth, but twice the bytes needed). Here each program owns a
+block of (row, column) pairs of the [N, F] half and writes both gradient halves from one read
+of a, b and g: 5 x N x F elements moved in the backward, the minimum, and 3 x N x F in the
+forward.
 
 Both kernels compute in fp32 and round once on store, like Inductor's bf16 lowering of the same
 expressions. ``swiglu_reference`` / ``swiglu_back_reference`` are the plain PyTorch definitions

@@ -1,10 +1,10 @@
 """``main_grad += grad`` for an fp32 ``main_grad`` and a bf16/fp16 gradient, as one Triton kernel.
 
 Why: megatron's DDP adds each weight gradient into its fp32 ``main_grad`` with ``add_``, and
-torch runs an fp32 += bf16 add through its type-casting loop, which on an H200 reached about
-40% of the copy bandwidth in the 35B-A3B profile (docs/moe.md): 40 ms of a 350 ms step for
-4.7B parameters, 3.2B of them routed experts. Here each program loads a block of both, upcasts
-the gradient and stores the sum: 10 bytes per element, nothing else.
+torch runs an fp32 += bf16 add through its type-casting loop, which reaches well under the
+copy bandwidth; with billions of (mostly routed-expert) parameters in the 35B-A3B model that
+add is a visible share of the step (profile in docs/moe.md). Here each program loads a block of
+both, upcasts the gradient and stores the sum: 10 bytes per element, nothing else.
 
 The sum is the same fp32 addition of the same (exactly upcast) values as the reference
 ``main.add_(grad)``, so the result is bit-identical.

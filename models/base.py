@@ -21,10 +21,11 @@ def scatter_image_features(emb: torch.Tensor, is_image: torch.Tensor, features: 
     (features are ordered by sample, then position; the data pipeline has checked that image
     tokens and features agree in number).
 
-    Not ``masked_scatter``: its backward calls ``nonzero`` on the mask, a host sync that drained
-    the GPU queue once per step (47 ms of waiting on the 2B recipe). The number of image tokens
-    is known on the host (the features' length), so ``nonzero_static`` finds their positions
-    without a sync, and ``index_copy`` / its backward (``index_select``) need none either."""
+    Not ``masked_scatter``: its backward calls ``nonzero`` on the mask, a host sync that drains
+    the GPU queue once per step and leaves the GPU idle while the host catches up. The number of
+    image tokens is known on the host (the features' length), so ``nonzero_static`` finds their
+    positions without a sync, and ``index_copy`` / its backward (``index_select``) need none
+    either."""
     S, B, H = emb.shape
     pos = torch.nonzero_static(is_image.reshape(-1), size=features.shape[0]).squeeze(1)
     flat = emb.transpose(0, 1).reshape(B * S, H)

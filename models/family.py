@@ -77,8 +77,8 @@ class ModelFamily:
       ``gdn_varlen``); the default builds nothing.
     - ``prepare_host_batch(batch, m)``: host work on a loaded micro-batch that the prefetch thread
       does while the GPU runs earlier steps, so the training thread finds it done (Qwen3.5: the
-      vision geometry of each image size, cached; on the training thread it left the GPU idle
-      23-35 ms of a varied-image step, docs/performance.md). None: nothing to do.
+      vision geometry of each image size, cached; on the training thread it leaves the GPU idle
+      for part of a varied-image step, docs/performance.md). None: nothing to do.
 
     - ``hf_adapter()`` -> the family's Hugging Face adapter (None: the family has none, and
       scripts/convert_hf.py, hf_parity.py and bench_train.py's transformers half refuse it). It is

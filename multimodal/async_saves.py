@@ -48,12 +48,11 @@ class PinnedStaging:
 
     megatron's async writer stages each GPU tensor with ``tensor.to("cpu", non_blocking=True)``:
     new page-locked host tensors at every save, which torch's host allocator serves from the
-    blocks an earlier save freed, if their sizes fit. Page-locking is what costs: on an H200,
-    29 GiB staged that way took 32.9 s the first time and 0.57 s the second
-    (scripts/bench_checkpoint_staging.py); the 2B recipe's first save stopped training 27.3 s,
-    and 1.7 s with the pool below (docs/fault_tolerance.md).
+    blocks an earlier save freed, if their sizes fit. Page-locking is what costs: a first
+    staging takes many times longer than a second into blocks already locked, and the first save
+    stops training that long (scripts/bench_checkpoint_staging.py, docs/fault_tolerance.md).
     Here each tensor gets a buffer of its own, kept and reused while the checkpoint's layout stays
-    the same (0.57 s, 55 GB/s). ``reserve`` page-locks a pool for the first save in a background
+    the same. ``reserve`` page-locks a pool for the first save in a background
     thread while training runs, so the first save carves its buffers out of memory already
     locked: one chunk per large tensor, the small ones packed into shared chunks. Reuse is safe
     because at most one save is in flight: a new save stages only after the previous writer

@@ -69,7 +69,7 @@ class DataConfig:
     image_root: str | None = None
     system_prompt: str | None = None
     # micro-batches built ahead in a background thread; None: 2 on GPU, 0 on CPU (where the thread
-    # competes with the model for the cores: 30 proxy steps took 78 s with it, 62 s without)
+    # competes with the model for the cores, docs/data.md)
     prefetch: int | None = None
     # processes that decode/tokenise samples ahead of the trainer (0: in the training process);
     # None: up to 4 per rank on a GPU, 0 on a CPU (data.loader.default_num_workers)
@@ -124,7 +124,7 @@ class TrainConfig:
     cuda_graph_vision_warmup_patches: int = 0
     # The backward graphs add the parameter gradients into DDP's main_grad themselves (megatron's
     # grad_added_to_main_grad convention), instead of returning static gradients that autograd
-    # copies and DDP's hook then adds in one launch per parameter. false: the old path.
+    # copies and DDP's hook then adds in one launch per parameter. false: the latter.
     cuda_graph_grads_to_main_grad: bool = True
     # A step whose gradient norm is not finite (NaN/inf loss or gradients) never updates the
     # weights: the optimizer's kernels skip it on the device, no host sync (multimodal/nonfinite.py).
@@ -551,7 +551,7 @@ def validate_eval(t: TrainConfig, d: DataConfig) -> None:
 def validate_layout(m: ModelConfig, p: ParallelConfig) -> None:
     """The model's shapes against the parallel layout: the attention heads every family has here,
     then the family's own rules (``ModelFamily.validate``: its mixers, experts, kernels)."""
-    # checked here, not at the first forward, where a misspelling used to surface after the build
+    # checked here, not at the first forward, so that a misspelling surfaces before the build
     _require(m.attention_backend in ATTENTION_BACKENDS,
              f"model.attention_backend must be one of {'|'.join(ATTENTION_BACKENDS)}, got {m.attention_backend!r}")
     _require(m.num_attention_heads % m.num_query_groups == 0,

@@ -530,8 +530,8 @@ def _start_log(it, report, grad_norm, scheduler, window: _Window, clock: StepClo
     if ps.get_context_parallel_world_size() > 1:  # each CP rank holds the loss of its own tokens
         dist.all_reduce(report, group=ps.get_context_parallel_group())
     # the host counts go through pinned memory: torch.tensor(..., device=cuda) copies from pageable
-    # memory, which waits for the whole queued step and left the GPU idle while the host then
-    # prepared the next batch (~14 ms of every logged 2B step with varied images)
+    # memory, which waits for the whole queued step and leaves the GPU idle while the host then
+    # prepares the next batch
     counts = to_device_async(torch.tensor([window.tokens, window.flops], dtype=torch.float64), report.device)
     totals = torch.cat([report[:2].double(), counts, report[2:].double()])  # MTP [sum, tokens] at the end
     dist.all_reduce(totals, group=dp_group)  # loss and tokens of the whole data-parallel batch

@@ -2,8 +2,8 @@
 
     python scripts/bench_attention.py [--json OUT] [--seq 8192] [--samples 1,4]
 
-Why: on the 2B issue batch the full-attention backward at head_dim 256 (flash attention 2,
-through ``torch.nn.attention.varlen``) was ~20 ms of a ~240 ms step on the H200. This measures
+Why: the full-attention backward at head_dim 256 (flash attention 2, through
+``torch.nn.attention.varlen``) is a visible share of the 2B step (docs/kernels.md). This measures
 which kernel the packed layout should use. Backends, each on the
 same packed inputs ``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` with ``cu_seqlens``:
 

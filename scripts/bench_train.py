@@ -9,8 +9,8 @@
    come from its own metrics (``logging.interval = gcd(warmup, steps)``, so the windows after
    the warm-up cover exactly the timed steps).
 2. On a GPU our run happens in a fresh child process (spawned), so that everything it
-   allocated is gone when it exits (an MoE run once kept 81 GiB after its objects were dropped;
-   ``mem_after_free_gib`` reports what our run still held after ``gc.collect`` and
+   allocated is gone when it exits (a run can keep memory after its objects are dropped, see
+   docs/moe.md; ``mem_after_free_gib`` reports what our run still held after ``gc.collect`` and
    ``torch.cuda.empty_cache``, and none of it reaches the other half). Without the transformers half, or on the CPU, ours runs in-process. Then
    transformers' model is built from the same
    model section (the family's Hugging Face adapter, ``hf_config_from_ours``; a family without
@@ -131,7 +131,7 @@ def eager_step_share(rows: list[dict], warmup: int) -> float | None:
 
 def captures_in_timed_steps(rows: list[dict], warmup: int) -> int | None:
     """CUDA graphs captured during the timed steps (each such step also ran warm-up passes and the
-    capture, so it was slower), from metrics.jsonl's cumulative ``cuda_graph_captures``; None
+    capture, so it is slower), from metrics.jsonl's cumulative ``cuda_graph_captures``; None
     when training ran without graphs."""
     if not any("cuda_graph_captures" in r for r in rows):
         return None

@@ -18,18 +18,17 @@ Backends:
   and then faulted.
 - ``auto``, on CUDA bf16/fp16 with cuDNN >= 9 on Hopper or newer:
   - cuDNN dense for whatever needs no per-sample offsets: unpacked batches, and a packed row
-    that the caller says is one segment (``one_segment``). On the H200 at head_dim 256 it runs
-    the 8K causal forward 2.0x and the backward 1.5x faster than flash attention 2, at head_dim 64
-    (vision) 1.5x and 1.4-1.6x (scripts/bench_attention.py, docs/kernels.md).
+    that the caller says is one segment (``one_segment``). On Hopper it is faster than flash
+    attention 2 at both the decoder's and the vision encoder's head_dim (scripts/bench_attention.py,
+    docs/kernels.md).
   - cuDNN THD for packed non-causal rows of a static shape (``static_shape``: the vision
-    encoder's CUDA-graph buckets), where cudnn-frontend loads. Measured on the H200
-    (scripts/bench_varlen_slots.py): the vision attention (16 heads of 64, four images in an
-    18K-row bucket) runs forward + backward in 3.43 ms against flash's 5.32; the decoder's (8/2
-    heads of 256, causal, three samples in 8K) in 2.29 against flash's 2.00, so causal rows keep
-    flash. And a plan is built per shape (segment slots, ``max_seqlen`` bound, the backward also
-    per token count) in 0.4-3 s, which eager micro-batches of ever new patch counts would pay
-    again and again. ``max_seqlen`` is only an upper bound (the kernel masks by each segment's
-    own length) and is rounded up to few bounds (``seqlen_bound``).
+    encoder's CUDA-graph buckets), where cudnn-frontend loads. It beats flash on the vision
+    encoder's non-causal rows but not on the decoder's causal ones, so causal rows keep flash
+    (scripts/bench_varlen_slots.py, docs/kernels.md). And a plan is built per shape (segment
+    slots, ``max_seqlen`` bound, the backward also per token count), a cost of seconds, which
+    eager micro-batches of ever new patch counts would pay again and again. ``max_seqlen`` is
+    only an upper bound (the kernel masks by each segment's own length) and is rounded up to few
+    bounds (``seqlen_bound``).
   - ``varlen`` for other packed rows; elsewhere ``sdpa``.
 Asking for a backend that cannot run raises; ``auto`` falling back logs once, loudly.
 """
@@ -228,7 +227,7 @@ _cudnn_gqa_refused: list[str] = []  # set once cuDNN refused grouped k/v heads: 
 def _cudnn_dense(q, k, v, causal, scale):
     """[B, S, H, D] through SDPA's cuDNN backend alone; None (after one warning) if cuDNN refuses.
     Grouped k/v heads go in as they are (the kernel reads each for its query heads; repeating
-    them cost a copy each way and a sum in the backward: ~0.7 ms of the 2B step on an H200); if
+    them costs a copy each way and a sum in the backward); if
     cuDNN refuses that, once, they are repeated."""
     if k.shape[2] != q.shape[2] and not _cudnn_gqa_refused:
         out = _cudnn_or_record(q, k, v, causal, scale, _cudnn_gqa_refused, "{}",

@@ -5,9 +5,8 @@ Column/RowParallelLinear through ``linear_with_frozen_weight``, whose forward is
 ``torch.matmul(input, weight.t())`` on the [S, B, H] input. For B = 1 (our packed rows) with a
 non-matching stride on that size-1 dimension (a transposed [1, S, H] view, as the GDN in_proj
 input is), torch before 2.12 does not fold the matmul into one ``mm``: it runs a ``bmm`` of S
-one-row products, each reading the whole weight (pytorch/pytorch#186148). On an H200 that made
-each GDN in_proj of the 2B recipe take 7.2 ms instead of a fraction of a millisecond under LoRA:
-130 ms of a 292 ms step (``docs/finetuning.md``).
+one-row products, each reading the whole weight (pytorch/pytorch#186148). Under LoRA that
+makes the GDN in_proj, a large frozen weight, dominate the step (``docs/finetuning.md``).
 
 ``fold_frozen_linear_inputs`` wraps that function once: the input's leading dimensions are
 flattened (a view for these layouts) before the call and restored after, so the GEMM is an

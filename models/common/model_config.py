@@ -79,8 +79,8 @@ class ModelConfig:
     # the fused LM head) or lookup (word embedding, index_add_), models/performance/wgrad_fusion.py,
     # instead of a bf16 gradient plus a separate add per weight (dense [vocab, hidden] for the
     # embedding). null = on where it measured faster: with train.cuda_graphs and
-    # cuda_graph_grads_to_main_grad on a GPU (H200, 2B, issue batch: 0.214-0.215 vs 0.217-0.222
-    # s/step); off otherwise (eager it measured slower, 0.377 vs 0.342). true = on (exact fp32
+    # cuda_graph_grads_to_main_grad on a GPU; off otherwise (eager it measured slower; step
+    # times in docs/kernels.md). true = on (exact fp32
     # accumulation of every weight gradient), or an error where it cannot run.
     grad_accum_fusion: bool | None = None
     # Parts of the model that do not train (multimodal/freeze.py), any of: vision (the vision

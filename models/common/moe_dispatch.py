@@ -145,7 +145,7 @@ class GroupedDispatcher(MoEAlltoAllTokenDispatcher):
         # megatron keeps the router probabilities as an attribute after the layer is done. They
         # carry the autograd graph, whose gradient hooks (megatron DDP's) hold the model: a
         # reference cycle through C++ that Python's collector cannot see, so the model,
-        # gradients and optimizer state of an MoE run stayed allocated after training (81 GiB
-        # on the 35B-A3B slice). Nothing reads them after the combine.
+        # gradients and optimizer state of an MoE run would stay allocated after training
+        # (docs/moe.md). Nothing reads them after the combine.
         self.probs = None
         return output

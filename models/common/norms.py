@@ -9,8 +9,8 @@ no zero-centred gamma. Qwen3.5 uses two kinds:
 Both take megatron's norm constructor arguments so layer specs can build them.
 
 Speed: written out in PyTorch, each norm is 6-8 elementwise kernels per direction over the
-activations in fp32; on the 2B recipe that was ~50 ms of a ~0.5 s H200 step (profile in
-docs/kernels.md). On a GPU the same functions go through ``torch.compile``
+activations in fp32, each a full read and write of the activations, a visible share of the
+step (profile in docs/kernels.md). On a GPU the same functions go through ``torch.compile``
 (``model.compile_norms``, default on for CUDA), which fuses each direction into one or two
 Triton kernels with the same fp32 math and casts. The eager functions below stay the
 reference (tests compare the compiled ones against them).

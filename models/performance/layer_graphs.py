@@ -425,8 +425,7 @@ def graph_backward(graph: LayerGraph):
         if j in graph.fused:
             # megatron's placeholder (an unwritten weight-sized tensor): kept as a static output it
             # would hold graph-pool memory the size of every fused weight, never read (param_grads
-            # hands autograd fresh ones). Likely the 2.5 GiB more peak the 2B showed with fusion
-            # on the H200 (bf16 decoder linears: ~1.3G parameters).
+            # hands autograd fresh ones).
             g = None
         elif graph.to_main_grad and g is not None and getattr(p, "main_grad", None) is not None:
             mains.append(p.main_grad)  # replayed: main_grad += this micro-batch's gradient

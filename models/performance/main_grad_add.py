@@ -2,10 +2,10 @@
 
 Why: a decoder layer's backward graph adds ~18 small parameter gradients (norm weights, conv
 taps, A_log, dt_bias, biases) into their fp32 ``main_grad``; each add is its own kernel of a few
-microseconds, launch- and tail-bound: 431 adds, 2.6 ms of a 186 ms step on the H200 (2B
-profile). DDP keeps every ``main_grad`` as a view of one flat buffer, and a layer's parameters
-sit next to each other there, so the small gradients are concatenated (one kernel) and added to
-the span of the buffer they cover (one kernel). The sums are the same fp32 additions as one add
+microseconds, launch- and tail-bound, and there are hundreds of them per step. DDP keeps every
+``main_grad`` as a view of one flat buffer, and a layer's parameters sit next to each other
+there, so the small gradients are concatenated (one kernel) and added to the span of the buffer
+they cover (one kernel). The sums are the same fp32 additions as one add
 per parameter, bit for bit.
 
 Gaps between neighbours up to ``MAX_GAP`` elements (megatron pads parameter starts when the

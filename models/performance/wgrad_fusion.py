@@ -4,8 +4,8 @@ megatron-core's linear layers can add each weight gradient straight into the fp3
 ``main_grad`` buffer inside the backward GEMM (``gradient_accumulation_fusion``), but only
 through Apex's ``fused_weight_gradient_mlp_cuda`` extension, which we do not ship. Without it
 every linear's backward writes a bf16 weight gradient, and megatron's DDP hook then launches a
-separate fp32 add into ``main_grad`` (on the 2B recipe: 528 adds, ~9 ms of GPU time and as
-many host launches per step, docs/kernels.md).
+separate fp32 add into ``main_grad`` (one per linear: hundreds of adds and as many host
+launches per step, docs/kernels.md).
 
 torch's ``addmm`` with ``out_dtype=float32`` does the same GEMM as Apex's kernel: bf16 inputs,
 fp32 accumulation, beta = 1 into the fp32 buffer. ``enable()`` hands megatron a stand-in
@@ -19,10 +19,9 @@ touches), and the fused LM head (fused_kernels/fused_linear_ce.py) adds its weig
 its GEMM. With tied weights both go into the one shared ``main_grad`` and autograd sees one
 placeholder: nothing dense is summed, copied or added.
 
-Measured on the H200: eager (2B recipe, torch 2.11) it was slower, 0.377 s/step
-against 0.342. Under CUDA graphs that add the other gradients into main_grad inside the graph
-(``train.cuda_graph_grads_to_main_grad``, one 8K row) it is faster: 0.214 and
-0.215 s/step against 0.217, 0.220 and 0.222 without. So ``null`` turns it on exactly there.
+Eager, it measures slower; under CUDA graphs that add the other gradients into main_grad inside
+the graph (``train.cuda_graph_grads_to_main_grad``) it measures faster (step times in
+docs/kernels.md). So ``null`` turns it on exactly there.
 """
 
 from __future__ import annotations

@@ -156,9 +156,9 @@ def build(cfg, parallel, params_dtype: torch.dtype, pre_process: bool = True, po
     norms.COMPILE = m.compile_norms
     gdn_mod.Qwen35GatedDeltaNet.gdn_backend_request = m.gdn_backend
     gdn_mod.Qwen35GatedDeltaNet.save_states = m.gdn_save_states
-    # auto: the fused Triton kernels on GPU, the PyTorch path on CPU. (They were opt-in while the
-    # 2B step was slower with them; the profile showed recompiles for new batch shapes, fixed with
-    # do_not_specialize, docs/kernels.md.)
+    # auto: the fused Triton kernels on GPU, the PyTorch path on CPU. (They are marked
+    # do_not_specialize on the shape arguments, so new batch shapes do not recompile them,
+    # docs/kernels.md.)
     gpu = torch.cuda.is_available() and FUSED_KERNELS_BY_DEFAULT
     gdn_mod.Qwen35GatedDeltaNet.gdn_pre_impl = ("fused" if gpu else "unfused") if m.gdn_pre_impl == "auto" \
         else m.gdn_pre_impl

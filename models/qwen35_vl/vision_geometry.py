@@ -51,7 +51,7 @@ def warm_geometry(grid_thw: torch.Tensor, merge: int, grid_side: int) -> None:
 
 def _image_parts(grid_thw: torch.Tensor, merge: int, grid_side: int) -> tuple[list[tuple], list[tuple]]:
     """(the (t, h, w) of each image, its cached geometry). Per image from a cache: building them
-    is Python-heavy (~4 ms per micro-batch on the 2B recipe), and image sizes repeat."""
+    is Python-heavy, and image sizes repeat."""
     grid = [tuple(g) for g in grid_thw.detach().to("cpu", torch.long).tolist()]
     return grid, [_image_geometry(t, h, w, merge, grid_side) for t, h, w in grid]
 

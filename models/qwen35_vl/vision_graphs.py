@@ -1,8 +1,8 @@
 """CUDA graphs for the vision encoder's blocks and merger (``train.cuda_graphs``), one graph pair
 per patch-count bucket.
 
-Why: with the decoder layers replayed as graphs, the profile of the 2B step showed the GPU idle
-~47 ms per step (of ~300) inside the eager vision encoder: a micro-batch's few hundred to few
+Why: with the decoder layers replayed as graphs, the profile of the step shows the GPU
+idle inside the eager vision encoder: a micro-batch's few hundred to few
 thousand patches make kernels of microseconds, and the host spends longer issuing each of a
 block's ~60 launches than the GPU spends running it (docs/kernels.md, CUDA graphs).
 
@@ -61,10 +61,8 @@ def segment_slots(segments: int, max_images: int) -> int:
     """The attention segment slots of the graph a micro-batch of ``segments`` images (or video
     frame pairs) replays: ``FEW_SEGMENTS``, or ``max_images`` beyond. Why not always
     ``max_images``: the varlen kernels' grid covers every slot, and each empty slot's blocks still
-    start and exit. On an H200, one vision layer's attention forward and backward over four images
-    (17.5K patches in an 18K row) took 6.13 ms with 66 segments, 5.34 ms with 17 (16 slots and the
-    padding's), 5.02 ms exact: 0.8 ms a layer, 19 ms a step of the 2B encoder
-    (scripts/bench_varlen_slots.py, docs/benchmarks/varlen_slots_h200_2026-12-03.json)."""
+    start and exit, which adds up over the encoder's layers (scripts/bench_varlen_slots.py,
+    docs/kernels.md)."""
     few = min(FEW_SEGMENTS, max_images)
     return few if segments <= few else max_images
 
@@ -149,8 +147,8 @@ class VisionGraphs:
 
     def _embed_padded(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """The eager patch embedding on the bucket's row count. With a new row count every step, the
-        profile showed ~3.8 ms of host time inside its addmm (most likely cuBLAS choosing a kernel
-        for the new shape); the bucket's row counts repeat."""
+        host spends time inside its addmm (most likely cuBLAS choosing a kernel for the new
+        shape); the bucket's row counts repeat."""
         n = pixel_values.shape[0]
         return self.eager_embed(F.pad(pixel_values, (0, 0, 0, self._rows(n) - n)))[:n]
 

@@ -5,9 +5,7 @@ make the run fit. The training loop re-raises it as ``TrainingOutOfMemory`` (sti
 ``OutOfMemoryError``, chained to the original) whose message lists this run's options, each
 with the setting to change, in the order that costs least speed first.
 
-The figures quoted are measured (docs/performance.md, the 2B row-length table): the 2B recipe on one
-H200 fits 32K-token rows with CUDA graphs (93.2 GiB) but not 64K; 64K fits with the graphs off
-and all four recompute modules (125.7 GiB, 38% MFU).
+The figures quoted in the messages are measured: docs/performance.md, the 2B row-length table.
 """
 
 from __future__ import annotations

@@ -132,12 +132,12 @@ class DeferredGradScale:
 
     Each step megatron multiplies every gradient by 1/(supervised tokens) (finalize_model_grads,
     with calculate_per_token_loss) and then by the clipping coefficient: two read-and-write passes
-    over 4 bytes x parameters, ~15 ms of a 0.3 s step on the 2B recipe (H200 profile,
-    docs/kernels.md). torch's fused AdamW divides each gradient by its ``grad_scale``
-    tensor as it reads it (the AMP hook), so here both factors are kept as one device scalar
-    instead: the DDP wrapper's ``scale_gradients`` records the token factor, the gradient norm is
-    computed from the unscaled gradients and multiplied by it (same value up to rounding), the
-    clip coefficient multiplies into it, and the fused kernel applies ``1 / scale``. No host sync.
+    over 4 bytes x parameters, a visible share of the step (profile in docs/kernels.md). torch's
+    fused AdamW divides each gradient by its ``grad_scale`` tensor as it reads it (the AMP hook),
+    so here both factors are kept as one device scalar instead: the DDP wrapper's
+    ``scale_gradients`` records the token factor, the gradient norm is computed from the unscaled
+    gradients and multiplied by it (same value up to rounding), the clip coefficient multiplies
+    into it, and the fused kernel applies ``1 / scale``. No host sync.
 
     Only for one megatron optimizer whose torch AdamW groups are all fused and whose parameters
     share one clipping group (``defer_grad_scaling`` checks; MoE's separate expert optimizer keeps megatron's
@@ -177,7 +177,7 @@ class DeferredGradScale:
 
 def stop_deferring() -> None:
     """Forget the active DeferredGradScale (end of training): it references the torch optimizer,
-    whose state would otherwise outlive the trainer (33 GiB on the 2B recipe)."""
+    whose state (12 bytes per parameter) would otherwise outlive the trainer."""
     global _DEFERRED
     _DEFERRED = None
 

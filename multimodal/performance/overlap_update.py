@@ -1,7 +1,7 @@
 """Run the optimizer step behind the next step's forward (``optimizer.overlap_step``).
 
-Why. Flat AdamW (multimodal/performance/flat_adamw_patch.py) already runs at the device's copy bandwidth: 17.5 ms
-of a 0.205 s 2B step on an H200 (30 bytes per parameter). It cannot get cheaper, only hidden.
+Why. Flat AdamW (multimodal/performance/flat_adamw_patch.py) already runs at the device's copy bandwidth
+(30 bytes per parameter; docs/performance.md). It cannot get cheaper, only hidden.
 The forward that follows is mostly GEMMs, and its start (the batch's host-to-device copies, the
 first launches) leaves the device partly idle, so the update runs on a second stream while the
 next forward runs, each layer waiting only for its own parameters.
