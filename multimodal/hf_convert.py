@@ -10,8 +10,9 @@ which piece of which of our (TP=1) tensors it is (a chunk of a factory such as G
   read lazily, and dropped once written. Stacked expert weights are written in groups of
   experts, so the largest thing held is one group. ``workers`` threads write files in parallel.
 - export: the HF shards are planned from the meta model first (names, sizes, so the file names
-  carry the shard count); each shard then loads the units it holds (one decoder layer, the
-  vision tower, ...) from the dist-checkpoint, converts and writes them, and lets them go.
+  carry the shard count); each shard then reads the units it holds (a decoder layer's tensors, a
+  group of its experts, the vision tower, ...) from the dist-checkpoint, only the stored chunks
+  they overlap, converts and writes them, and lets them go.
 
 Peak memory is a unit or a shard per worker, whatever the depth of the model.
 """
@@ -281,68 +282,110 @@ def _commit(root: Path, tmp: Path, final: Path, meta: dict[str, str], trainer: d
 # ------------------------------------------------------------------------------------------ export
 
 
-def _load_keys(ckpt: Path, keys: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, torch.Tensor]:
-    """Whole tensors of the given checkpoint keys (any layout they were saved under)."""
-    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-    from torch.distributed.checkpoint import load as dcp_load
+class _CheckpointReader:
+    """Regions of a dist-checkpoint's tensors, whatever layout wrote them: only the stored chunks a
+    region overlaps are read (torch's resharding reads, planned for the region alone)."""
 
-    state = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in keys.items()}
-    dcp_load(state, storage_reader=FileSystemReader(str(ckpt)), planner=DefaultLoadPlanner(allow_partial_load=True),
-             no_dist=True)
-    return state
+    def __init__(self, ckpt: Path):
+        from torch.distributed.checkpoint import FileSystemReader
+
+        self.ckpt = ckpt
+        self.metadata = FileSystemReader(str(ckpt)).read_metadata()
+        self.stored = self.metadata.state_dict_metadata
+
+    def read(self, regions: dict[str, tuple[tuple[int, ...], tuple[int, ...]]]) -> dict[str, torch.Tensor]:
+        """key -> (offset, shape) of the region wanted -> key -> that region."""
+        from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        from torch.distributed.checkpoint.planner import LoadPlan
+        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+        missing = sorted(set(regions) - set(self.stored))
+        if missing:
+            raise KeyError(f"{self.ckpt} holds no tensor {missing[0]} ({len(missing)} missing); was it saved "
+                           "from this model?")
+        state = {k: torch.empty(shape, dtype=self.stored[k].properties.dtype) for k, (_, shape) in regions.items()}
+        items = [item for k, (offset, shape) in regions.items() for item in create_read_items_for_chunk_list(
+            k, self.stored[k], [ChunkStorageMetadata(torch.Size(offset), torch.Size(shape))])]
+        class RegionPlanner(DefaultLoadPlanner):
+            def lookup_tensor(self, index):  # each key's region is the whole destination tensor
+                return self.state_dict[index.fqn]
+
+        reader = FileSystemReader(str(self.ckpt))
+        reader.set_up_storage_reader(self.metadata, is_coordinator=True)
+        planner = RegionPlanner()
+        planner.set_up_planner(state, self.metadata, True)
+        plan = reader.prepare_global_plan([reader.prepare_local_plan(LoadPlan(items))])[0]
+        reader.read_data(plan, planner).wait()
+        return state
 
 
-def load_units(ckpt: Path, units: list[str], chunks_by_unit: dict[str, list[Chunk]], stored: dict,
-               params: dict) -> dict[str, torch.Tensor]:
-    """Our full (TP=1) tensors of ``units``, read from the dist-checkpoint at ``ckpt``."""
-    chunks = [c for u in units for c in chunks_by_unit.get(u, [])]
-    missing = sorted({c.key for c in chunks} - set(stored))
-    if missing:
-        raise KeyError(f"{ckpt} holds no tensor {missing[0]} ({len(missing)} missing); was it saved from this model?")
-    keys = {c.key: (tuple(stored[c.key].size), stored[c.key].properties.dtype) for c in chunks}
-    loaded = _load_keys(ckpt, keys)
-    out: dict[str, torch.Tensor] = {}
-    for c in chunks:
-        target = out.get(c.param)
-        if target is None:
-            target = out[c.param] = torch.empty(params[c.param].shape, dtype=loaded[c.key].dtype)
-        region = loaded[c.key][tuple(slice(o, o + s) for o, s in zip(c.offset, c.shape))]
-        _view(target, c).copy_(region)
+def _load_part(reader: _CheckpointReader, part: list[tuple[str, tuple[int, int] | None]],
+               chunks_of: dict[str, list[Chunk]], params: dict) -> dict[str, tuple[torch.Tensor, int]]:
+    """Our (TP=1) tensors of one export unit: (param, None) whole, (param, (lo, hi)) those experts of
+    a stacked expert weight. Returns param -> (tensor, first expert)."""
+    regions: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
+    for name, experts in part:
+        for c in chunks_of[name]:
+            shape = reader.stored[c.key].size
+            if experts is None:
+                regions[c.key] = ((0,) * len(shape), tuple(shape))
+            else:  # the expert axis is the key's first
+                regions[c.key] = ((experts[0], *(0,) * (len(shape) - 1)), (experts[1] - experts[0], *shape[1:]))
+    loaded = reader.read(regions)
+    out = {}
+    for name, experts in part:
+        lo = experts[0] if experts else 0
+        shape = params[name].shape if experts is None else (experts[1] - experts[0], *params[name].shape[1:])
+        target = None
+        for c in chunks_of[name]:
+            region = loaded[c.key]
+            if target is None:
+                target = torch.empty(shape, dtype=region.dtype)
+            if experts is None:
+                _view(target, c).copy_(region[tuple(slice(o, o + s) for o, s in zip(c.offset, c.shape))])
+            else:
+                sub = Chunk(c.key, (lo, *c.offset[1:]), (experts[1] - lo, *c.shape[1:]), c.global_shape, name,
+                            _sub_view(c, experts), experts)
+                dst = _view(target, sub, lo, params[name].stride(0))
+                dst.copy_(region[(slice(None), *(slice(o, o + s) for o, s in zip(c.offset[1:], c.shape[1:])))])
+        out[name] = (target, lo)
     return out
 
 
 def export_hf(ckpt: Path, out: str | Path, m, adapter, family, dtype: torch.dtype | None, hf_config: dict,
               max_shard_bytes: int, workers: int = 1, carry: SafetensorsFolder | None = None,
-              carry_prefix: str = "mtp.", transform: Callable[[dict], dict] | None = None, rank: int = 0,
-              world: int = 1) -> dict:
+              carry_prefix: str = "mtp.", rank: int = 0, world: int = 1,
+              expert_group: int = EXPERT_GROUP) -> dict:
     """Write our checkpoint at ``ckpt`` as HF safetensors shards + index + config.json in ``out``.
-    ``carry``: an HF folder whose ``carry_prefix`` tensors this model does not hold (an MTP head
-    that was not trained) are copied over unchanged. ``transform``: applied to each unit's tensors
-    before the mapping. ``rank``/``world``: every rank of a run writes every world-th shard, and
-    rank 0 the index and config.json."""
-    from torch.distributed.checkpoint import FileSystemReader
-
+    A unit is what one worker holds at a time: a layer's other tensors, or ``expert_group`` of its
+    experts. ``carry``: an HF folder whose ``carry_prefix`` tensors this model does not hold (an MTP
+    head that was not trained) are copied over unchanged. ``rank``/``world``: every rank of a run
+    writes every world-th shard, and rank 0 the index and config.json."""
     model = meta_model(m, family)
     params = dict(model.named_parameters())
-    chunks, _ = chunk_plan(model, expert_group=1 << 30)
     sources = adapter.hf_sources(m)
-    chunks_by_unit: dict[str, list[Chunk]] = {}
-    for c in chunks:
-        chunks_by_unit.setdefault(sources[c.param].unit, []).append(c)
-    stored = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
+    chunks_of: dict[str, list[Chunk]] = {}
+    for c in chunk_plan(model, expert_group=1 << 30)[0]:
+        chunks_of.setdefault(c.param, []).append(c)
+    reader = _CheckpointReader(ckpt)
     drop = {"lm_head.weight"} if m.tie_word_embeddings else set()
 
-    first_key: dict[str, str] = {}
-    for c in chunks:
-        first_key.setdefault(c.param, c.key)
-
-    # every HF tensor: its unit, dtype and shape, from the meta model
+    # the units, in model order, and every HF tensor each writes (dtype, shape) from the meta model
+    parts: dict[str, list[tuple[str, tuple[int, int] | None]]] = {}
     entries_of_unit: dict[str, list[tuple[str, torch.dtype, tuple[int, ...]]]] = {}
     for name, src in sources.items():
-        out_dtype = dtype or stored[first_key[name]].properties.dtype
-        for hf_name, t in adapter.split_to_hf(src, params[name], m).items():
-            if hf_name not in drop:
-                entries_of_unit.setdefault(src.unit, []).append((hf_name, out_dtype, tuple(t.shape)))
+        stacked = src.kind in ("experts_fc1", "experts_fc2")
+        spans = [(lo, min(lo + expert_group, m.num_experts)) for lo in range(0, m.num_experts, expert_group)] \
+            if stacked else [None]
+        out_dtype = dtype or reader.stored[chunks_of[name][0].key].properties.dtype
+        for span in spans:
+            unit = src.unit if span is None else f"{src.unit}.experts.{span[0]}"
+            parts.setdefault(unit, []).append((name, span))
+            meta = params[name] if span is None else params[name][span[0]:span[1]]
+            for hf_name, t in adapter.split_to_hf(src, meta, m, span[0] if span else 0).items():
+                if hf_name not in drop:
+                    entries_of_unit.setdefault(unit, []).append((hf_name, out_dtype, tuple(t.shape)))
     produced = {e[0] for v in entries_of_unit.values() for e in v}
     carried = [n for n in carry.names if n.startswith(carry_prefix) and n not in produced] if carry else []
     if carried:
@@ -362,12 +405,9 @@ def export_hf(ckpt: Path, out: str | Path, m, adapter, family, dtype: torch.dtyp
             if unit == "carried":
                 tensors = {n: carry.get(n) for n in carried}
             else:
-                state = load_units(ckpt, [unit], chunks_by_unit, stored, params)
-                if transform is not None:
-                    state = transform(state)
                 tensors = {}
-                for name, t in state.items():
-                    for hf_name, piece in adapter.split_to_hf(sources[name], t, m).items():
+                for name, (t, first) in _load_part(reader, parts[unit], chunks_of, params).items():
+                    for hf_name, piece in adapter.split_to_hf(sources[name], t, m, first).items():
                         if hf_name not in drop:
                             tensors[hf_name] = piece if dtype is None else piece.to(dtype)
             for hf_name, t in tensors.items():
@@ -385,10 +425,10 @@ def export_hf(ckpt: Path, out: str | Path, m, adapter, family, dtype: torch.dtyp
     if world > 1:
         import torch.distributed as dist
 
-        parts: list = [None] * world
-        dist.all_gather_object(parts, (weight_map, total, rate))
-        weight_map = {k: v for part in parts for k, v in part[0].items()}
-        total, rate = sum(p[1] for p in parts), sum(p[2] for p in parts)
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, (weight_map, total, rate))
+        weight_map = {k: v for part in gathered for k, v in part[0].items()}
+        total, rate = sum(p[1] for p in gathered), sum(p[2] for p in gathered)
     if rank == 0:
         write_index(outd, weight_map, total)
         (outd / "config.json").write_text(json.dumps(hf_config, indent=2))

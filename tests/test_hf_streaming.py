@@ -42,6 +42,14 @@ def test_mtp_head_round_trips_bit_exact_through_sharded_export(moe, tmp_path, mc
     out = convert_hf.do_export(str(tmp_path / "ckpt"), str(tmp_path / "out"), None, "auto", workers=2,
                                shard_size="100KB")
     _same(_all(hf_dir), _all(out))
+    if moe:  # experts read and written in groups (4 experts: groups of 3 and 1)
+        from models import get_hf_adapter, get_model_family
+        from multimodal.hf_convert import export_hf
+
+        m = convert_hf.model_config_of_checkpoint(ckpt, None)
+        family = get_model_family(m.name)
+        export_hf(ckpt, tmp_path / "grouped", m, get_hf_adapter(family), family, None, {}, 100_000, expert_group=3)
+        _same(_all(hf_dir), _all(tmp_path / "grouped"))
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"

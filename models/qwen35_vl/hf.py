@@ -287,8 +287,11 @@ def build_from_hf(src: Source, get, m: ModelConfig, experts: tuple[int, int] | N
     raise ValueError(f"unknown source kind {src.kind}")
 
 
-def split_to_hf(src: Source, t: torch.Tensor, m: ModelConfig) -> dict[str, torch.Tensor]:
-    """The HF tensors of one of ours (the inverse of ``build_from_hf``); views where possible."""
+def split_to_hf(src: Source, t: torch.Tensor, m: ModelConfig, first_expert: int = 0) -> dict[str, torch.Tensor]:
+    """The HF tensors of one of ours (the inverse of ``build_from_hf``); views where possible. A
+    stacked expert weight may be a group of experts from ``first_expert`` on."""
+    if src.kind == "experts_fused" and (first_expert or t.shape[0] != m.num_experts):
+        raise ValueError("transformers' fused expert layout is written whole, not by expert group")
     if src.kind in ("copy", "experts_fused"):
         return {src.hf[0]: t}
     if src.kind == "cat":
@@ -301,11 +304,11 @@ def split_to_hf(src: Source, t: torch.Tensor, m: ModelConfig) -> dict[str, torch
         return {src.hf[0]: t.reshape(v.hidden_size, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)}
     if src.kind == "experts_fc1":
         out = {}
-        for j, w in enumerate(t):
+        for j, w in enumerate(t, first_expert):
             out[src.hf[2 * j]], out[src.hf[2 * j + 1]] = torch.chunk(w, 2)
         return out
     if src.kind == "experts_fc2":
-        return {src.hf[j]: w for j, w in enumerate(t)}
+        return {src.hf[j]: w for j, w in enumerate(t, first_expert)}
     raise ValueError(f"unknown source kind {src.kind}")
 
 
