@@ -33,8 +33,8 @@ def advice(cfg, step: int, data_parallel: int = 1) -> str:
     if missing:
         wanted = "[" + ",".join(sorted(set(t.recompute_modules) | set(missing))) + "]"
         graphs = " train.cuda_graphs=false (the graphs cannot replay recomputed blocks)" if t.cuda_graphs else ""
-        lines.append(f"  - selective recompute: train.recompute_modules={wanted}{graphs}; measured on one H200, the "
-                     "2B recipe fits 64K-token rows this way, at 28.6K tokens/s against 43.2K with the graphs at 32K")
+        lines.append(f"  - selective recompute: train.recompute_modules={wanted}{graphs}; it trades step time for "
+                     "memory (what it saves and costs on the 2B recipe: docs/performance.md, selective recompute)")
     if t.global_batch_size > t.micro_batch_size and t.micro_batch_size > 1:
         lines.append("  - smaller micro-batches, more of them: lower train.micro_batch_size "
                      "(train.global_batch_size stays)")
@@ -46,8 +46,8 @@ def advice(cfg, step: int, data_parallel: int = 1) -> str:
                      f"{ranks}: 12 bytes per parameter, divided by their number")
     lines.append(f"  - shorter rows: a lower train.seq_length (now {t.seq_length})")
     lines.append("  Check a layout without a GPU first: python pretrain_multimodal.py --config CFG [key=value ...] "
-                 "--dry-run --gpu-mem-gib GIB (its activation estimate assumes no recompute and runs high: "
-                 "65 GiB estimated vs 43 GiB measured for the 2B at 8K)")
+                 "--dry-run --gpu-mem-gib GIB (its activation estimate assumes no recompute and runs high; "
+                 "docs/performance.md compares it with measured peaks)")
     return "\n".join(lines)
 
 
