@@ -31,7 +31,7 @@ def test_advice_keeps_what_is_set_and_skips_gdn_blocks_under_context_parallelism
     text = advice(cfg, 1)
     # the MoE proxy has routed experts (moe_act) and shared experts; GDN recompute is not
     # implemented with cp > 1
-    assert "train.recompute_modules=[core_attn,layernorm,moe_act,shared_experts]; measured" in text
+    assert "train.recompute_modules=[core_attn,layernorm,moe_act,shared_experts]; it trades" in text
     assert "gdn_qkv" not in text and "cuda_graphs=false" not in text
     assert "parallel.cp=4" in text
     done = load_config(ROOT / "configs/qwen35_vl_proxy.yaml",
