@@ -2,6 +2,8 @@
 
     cfg = load_config("configs/qwen35_vl_proxy.yaml", ["train.iters=50", "model.vision.depth=1"])
 
+A recipe may name a base recipe (``base: base/qwen35_vl.yaml``, relative to its folder; bases may
+have bases) whose sections it overrides key by key; the command-line overrides come last.
 Unknown keys and badly typed values raise ``ConfigError`` naming the dotted field;
 ``validate(cfg, world_size)`` checks the cross-field rules at start-up.
 """
@@ -237,20 +239,45 @@ class Config:
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    raw: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {p} does not exist")
-        raw = _parse_yaml(p.read_text(), str(p)) or {}
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{p}: top level must be a mapping of sections")
+    raw = _read_recipe(Path(path)) if path is not None else {}
     for item in overrides or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like section.key=value")
         _set_dotted(raw, key.strip(), _parse_yaml(value, f"override {item!r}") if value.strip() else None)
     return _build(Config, raw, "")
+
+
+def _read_recipe(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A recipe's sections with its ``base:`` chain merged underneath: ``base`` names another recipe,
+    relative to this one's folder, whose values this one's replace key by key (nested sections too)."""
+    if not path.is_file():
+        named_by = f" (the base named by {chain[-1]})" if chain else ""
+        raise ConfigError(f"config file {path}{named_by} does not exist")
+    here = path.resolve()
+    if here in chain:
+        loop = " -> ".join(str(p) for p in (*chain, here))
+        raise ConfigError(f"recipe bases form a cycle: {loop}; remove one of these base: keys")
+    raw = _parse_yaml(path.read_text(), str(path)) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{path}: base must be the path of a recipe relative to {path.parent}, got {base!r}")
+    return _merge(_read_recipe(here.parent / base, (*chain, here)), raw)
+
+
+def _merge(under: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over``'s values replace ``under``'s; a mapping on both sides is merged the same way, so a recipe
+    sets one field of its base's section without repeating the others. Lists are values, not merged."""
+    merged = dict(under)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            value = _merge(merged[key], value)
+        merged[key] = value
+    return merged
 
 
 def _parse_yaml(text: str, where: str):

@@ -156,3 +156,57 @@ def test_family_rules_refuse_what_the_family_lacks(overrides, needle):
 
     with pytest.raises(ConfigError, match=needle):
         validate(resolve_sources(load_config(TINY, overrides)), world_size=1)
+
+
+FLAT = "tests/fixtures/recipes_flat.yaml"
+
+
+@pytest.mark.parametrize("name", sorted(yaml.safe_load(open(FLAT))))
+def test_recipes_resolve_to_their_flat_values(name, tmp_path):
+    """Each recipe, read through its base: chain, is the Config its flat fixture entry gives, field for field."""
+    flat = tmp_path / name
+    flat.write_text(yaml.safe_dump(yaml.safe_load(open(FLAT))[name]))
+    assert load_config(f"configs/{name}").to_dict() == load_config(flat).to_dict()
+
+
+def test_full_size_recipes_name_a_base():
+    """The token ids live in the base alone: a recipe that repeats them would drift from it unseen."""
+    for name in ("2b", "2b_sft", "9b", "35b_a3b", "397b_a17b"):
+        raw = yaml.safe_load(open(f"configs/qwen35_vl_{name}.yaml"))
+        assert raw["base"].startswith("base/") and "image_token_id" not in raw["model"], name
+
+
+def _write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_base_chain_merges_key_by_key_under_the_recipe_then_the_overrides(tmp_path):
+    # the chain recipe -> shared/mid.yaml -> root.yaml, each base path relative to its own file's folder
+    _write(tmp_path / "root.yaml", "model: {vision: {depth: 5, hidden_size: 64}, vocab_size: 999}\n"
+                                   "train: {iters: 3, seed: 11}\n")
+    _write(tmp_path / "shared/mid.yaml", "base: ../root.yaml\nmodel: {vision: {depth: 4}}\ntrain: {iters: 4}\n")
+    recipe = _write(tmp_path / "recipes/run.yaml", "base: ../shared/mid.yaml\ntrain: {iters: 6}\n"
+                                                   "optimizer: {lr: 0.5}\n")
+    cfg = load_config(recipe, ["model.vision.hidden_size=32"])
+    assert (cfg.model.vision.depth, cfg.model.vision.hidden_size, cfg.model.vocab_size) == (4, 32, 999)
+    assert (cfg.train.iters, cfg.train.seed, cfg.optimizer.lr) == (6, 11, 0.5)
+    # the sections a recipe does not name keep their defaults; base: itself is no config field
+    assert cfg.logging.dir == load_config(None).logging.dir and "base" not in cfg.to_dict()
+
+
+@pytest.mark.parametrize("files, needle", [
+    ({"a.yaml": "base: b.yaml\n", "b.yaml": "base: a.yaml\n"}, r"recipe bases form a cycle: .*a\.yaml -> .*b\.yaml -> "
+                                                               r".*a\.yaml; remove one of these base: keys"),
+    ({"a.yaml": "base: a.yaml\n"}, "recipe bases form a cycle"),
+    ({"a.yaml": "base: gone.yaml\n"}, r"config file .*gone\.yaml \(the base named by .*a\.yaml\) does not exist"),
+    ({"a.yaml": "base: [b.yaml]\n"}, r"a\.yaml: base must be the path of a recipe relative to .*, got \['b\.yaml'\]"),
+    ({"a.yaml": "base: b.yaml\n", "b.yaml": "- 1\n"}, r"b\.yaml: top level must be a mapping of sections"),
+])
+def test_bad_bases_are_refused_in_one_line(tmp_path, files, needle):
+    for name, text in files.items():
+        _write(tmp_path / name, text)
+    with pytest.raises(ConfigError, match=needle) as e:
+        load_config(tmp_path / "a.yaml")
+    assert "\n" not in str(e.value)
