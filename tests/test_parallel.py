@@ -383,9 +383,13 @@ out = {"rank": dist.get_rank(), "layers": layers, "numbers": [l.layer_number for
        "has_vision": model.vision_model is not None, "tied_equal": bool(torch.equal(first, weight)),
        "weight_norm": float(weight.norm())}
 # one file per rank: two ranks printing to the shared stdout can interleave their lines
+ps.destroy_model_parallel()
+# the same launch checks the layout-independent init: every rank's pieces under TP, PP and EP
+from tests.helpers.mp_layout_init import check_layouts
+out["layout_init"] = check_layouts([(sys.argv[2], "tp=2"), (sys.argv[2], "pp=2"), (sys.argv[4], "ep=2"),
+                                    (sys.argv[4], "tp=2")], seed=1234)
 with open(f"{sys.argv[3]}/result_{dist.get_rank()}.json", "w") as f:
     json.dump(out, f)
-ps.destroy_model_parallel()
 '''
 
 
@@ -393,14 +397,16 @@ ps.destroy_model_parallel()
 def test_pp2_stages_build_their_layers_and_start_with_equal_tied_embeddings(tmp_path):
     """Without a checkpoint: each stage holds its half of the hybrid pattern (global layer numbers),
     the vision encoder lives on the first stage, and the last stage's copy of the tied embedding
-    starts equal to the first stage's (megatron's embedding-group all-reduce, CPU-patched)."""
+    starts equal to the first stage's (megatron's embedding-group all-reduce, CPU-patched).
+    The same launch then checks the layout-independent init (tests/helpers/mp_layout_init.py) under
+    TP=2, PP=2 (dense proxy), EP=2 and TP=2 with expert TP (MoE proxy)."""
     script = tmp_path / "worker.py"
     script.write_text(_TIED_INIT_WORKER)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                           f"--master-port={_free_port()}", str(script), str(ROOT), DENSE, str(tmp_path)],
+                           f"--master-port={_free_port()}", str(script), str(ROOT), DENSE, str(tmp_path), MOE],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = {rank: json.loads((tmp_path / f"result_{rank}.json").read_text()) for rank in (0, 1)}
@@ -410,6 +416,11 @@ def test_pp2_stages_build_their_layers_and_start_with_equal_tied_embeddings(tmp_
     assert results[0]["numbers"] == [1, 2] and results[1]["numbers"] == [3, 4], results
     assert results[0]["has_vision"] and not results[1]["has_vision"]
     assert results[1]["tied_equal"] and results[1]["weight_norm"] > 0, results
+    # layout-independent init: every element a rank holds equals the one-process model's (the helper
+    # asserts it piece by piece and that the pieces cover the rank's parameters)
+    for layout in ("tp=2", "pp=2", "ep=2"):
+        held = [n for r in results.values() for k, n in r["layout_init"].items() if k.endswith(layout)]
+        assert held and all(n > 0 for n in held), (layout, results)
 
 
 @pytest.mark.slow
