@@ -10,7 +10,6 @@ reproduces exactly the batches an uninterrupted run would have produced.
 from __future__ import annotations
 
 import collections
-import functools
 import itertools
 import os
 
@@ -18,11 +17,10 @@ import torch
 
 from data.collate import pack_thd, pad_bshd, padded_length
 from core.errors import DataError  # (a leaf module: imports nothing of the project)
+# where the scripts and tests have always imported them from; data/registry.py owns them
+from data.registry import build_dataset, load_tokenizer  # noqa: F401
 
 MIN_SAMPLES_FOR_BAD_CHECK = 20  # judge the bad-row fraction only once it means something
-
-
-DATASETS = ("mock", "cord_v2", "conversations")
 
 
 def default_num_workers(is_cuda: bool, local_world_size: int | None = None) -> int:
@@ -36,44 +34,6 @@ def default_num_workers(is_cuda: bool, local_world_size: int | None = None) -> i
     ranks = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(0, min(4, cores // max(ranks, 1) - 2))
-
-
-def build_dataset(model_cfg, data_cfg, seq_length: int):
-    """Dataset for ``data.name``: "mock" (synthetic), "cord_v2" (receipts from data.path) or
-    "conversations" (your JSON/JSONL chat records, data/conversations.py)."""
-    if data_cfg.name == "mock":
-        from data.mock import MockDataset
-
-        return MockDataset(model_cfg, data_cfg, seq_length)
-    if data_cfg.name == "cord_v2":
-        from data.cord_v2 import CordV2Dataset
-
-        return CordV2Dataset(
-            model_cfg, data_cfg, seq_length, load_tokenizer(data_cfg), split=data_cfg.split,
-            prompt=data_cfg.prompt, target_format=data_cfg.target_format,
-            min_pixels=data_cfg.min_pixels, max_pixels=data_cfg.max_pixels,
-        )
-    if data_cfg.name == "conversations":
-        from data.conversations import ConversationsDataset
-
-        return ConversationsDataset(model_cfg, data_cfg, seq_length, load_tokenizer(data_cfg))
-    raise ValueError(f"data.name {data_cfg.name!r} is not available; choose: {', '.join(DATASETS)}")
-
-
-def load_tokenizer(data_cfg):
-    if not data_cfg.tokenizer:
-        raise ValueError(f"data.name={data_cfg.name} needs data.tokenizer (a tokenizer directory)")
-    return _tokenizer(str(data_cfg.tokenizer))
-
-
-@functools.lru_cache(maxsize=4)
-def _tokenizer(path: str):
-    """One load per directory per process: start-up reads the special-token ids from it and the
-    dataset then encodes with it (loading a real one takes seconds).
-    Only read afterwards, never modified."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
 
 
 class _IndexedRows(torch.utils.data.Dataset):

@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from core.errors import ConfigError  # noqa: F401 - re-exported: callers import it from here
+from data.registry import check_dataset_name
 # the model and parallel sections live below the trainer, beside the model builder that reads them;
 # the model section's class is the one of the family model.name names (models.MODEL_REGISTRY)
 from models import DEFAULT_MODEL, get_hf_adapter, get_model_family
@@ -443,8 +444,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
              f"logging.profile_step must be >= 0 (0 = off) and logging.profile_num_steps >= 1, got "
              f"{cfg.logging.profile_step} and {cfg.logging.profile_num_steps}")
     _require(t.precision in ("auto", "bf16", "fp32"), f"train.precision must be auto|bf16|fp32, got {t.precision!r}")
-    _require(d.name in ("mock", "cord_v2", "conversations"),
-             f"data.name {d.name!r} is not available; choose: mock, cord_v2, conversations")
+    check_dataset_name(d.name)
     if d.name == "conversations":
         _require(_conversations_path(d.path),
                  f"data.name=conversations needs data.path: an existing .json or .jsonl file or datasets folder, "
@@ -575,6 +575,9 @@ def validate_eval(t: TrainConfig, d: DataConfig) -> None:
         _require(bool(d.valid_split), "data.valid_split must name the cord_v2 split to validate on (e.g. validation)")
 
 
+MODEL_INITS = ("layout_independent", "megatron")  # model.init (models/common/layout_init.py)
+
+
 def validate_layout(m: ModelConfig, p: ParallelConfig) -> None:
     """The model's shapes against the parallel layout: the attention heads every family has here,
     then the family's own rules (``ModelFamily.validate``: its mixers, experts, kernels)."""
@@ -593,6 +596,8 @@ def validate_layout(m: ModelConfig, p: ParallelConfig) -> None:
              f"({p.tp * p.cp}): context parallelism gives each rank heads/(tp*cp) heads of the whole sequence")
     if not m.num_experts:
         _require(p.ep == 1, "parallel.ep > 1 needs an MoE model (model.num_experts > 0)")
+    _require(getattr(m, "init", "layout_independent") in MODEL_INITS,
+             f"model.init must be one of {'|'.join(MODEL_INITS)}, got {getattr(m, 'init', None)!r}")
     get_model_family(m.name).validate(m, p)
 
 
@@ -636,7 +641,7 @@ def resolve_sources(cfg: Config) -> Config:
         cfg.model = get_hf_adapter(family).model_config_from_hf(cfg.model.hf_config, base=cfg.model)
     if cfg.data.tokenizer:
         from data.chat import special_token_ids
-        from data.loader import load_tokenizer
+        from data.registry import load_tokenizer
 
         for key, value in special_token_ids(load_tokenizer(cfg.data)).items():
             setattr(cfg.model, key, value)

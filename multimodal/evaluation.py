@@ -39,7 +39,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from data.loader import MicroBatchIterator, build_dataset
+from data.loader import MicroBatchIterator
+from data.registry import build_dataset
 from models import get_model_family
 from multimodal import checkpointing
 from multimodal.context_parallel import sequence_pad_multiple

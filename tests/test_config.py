@@ -210,3 +210,21 @@ def test_bad_bases_are_refused_in_one_line(tmp_path, files, needle):
     with pytest.raises(ConfigError, match=needle) as e:
         load_config(tmp_path / "a.yaml")
     assert "\n" not in str(e.value)
+
+
+def test_dataset_names_are_read_from_the_registry(monkeypatch):
+    """One list of names: the config check and the loader both read data.registry.DATASET_REGISTRY."""
+    from data.registry import DATASET_REGISTRY, build_dataset
+
+    with pytest.raises(ConfigError, match=r"^data.name 'mokc' is not available; choose: mock, cord_v2, conversations$"):
+        validate(load_config(PROXY, ["data.name=mokc"]))
+    with pytest.raises(ConfigError, match=r"^data.name 'mokc' is not available; choose: "):
+        cfg = load_config(PROXY)
+        cfg.data.name = "mokc"
+        build_dataset(cfg.model, cfg.data, 64)
+    # an entry added to the registry is a name both accept
+    built = object()
+    monkeypatch.setitem(DATASET_REGISTRY, "mine", lambda model_cfg, data_cfg, seq_length: built)
+    cfg = load_config(PROXY, ["data.name=mine"])
+    validate(cfg)
+    assert build_dataset(cfg.model, cfg.data, 64) is built
