@@ -42,6 +42,7 @@ from multimodal.observability.metrics import MetricsSink
 from multimodal.nonfinite import NonFiniteGuard, weights_finite
 from multimodal.optimizer import build_optimizer
 from multimodal.performance import multi_tensor
+from models.common.layout_init import init_layout_independent
 from models.performance import layer_graphs, wgrad_fusion
 from multimodal.platform import Runtime, init_distributed, use_deterministic_algorithms
 from core.seeding import seed_everything
@@ -75,6 +76,10 @@ def build_model_and_optimizer(cfg: Config, rt: Runtime, dtype: torch.dtype):
     model = builder(cfg.model, cfg.parallel, dtype, pre_process=ps.is_pipeline_first_stage(),
                     post_process=ps.is_pipeline_last_stage(), deterministic=cfg.train.deterministic)
     model.to(rt.device)
+    if getattr(cfg.model, "init", "layout_independent") == "layout_independent":
+        # on the device, before LoRA, freezing and DDP: the same train.seed gives the same model in any layout
+        counts = init_layout_independent(model, cfg.train.seed)
+        log.info("layout-independent init: %d tensors drawn, %d kept as built", counts["tensors"], counts["kept"])
     log.info(describe_freeze(freeze(model, cfg.model.freeze)))  # before DDP: no buffers for frozen weights
     if cfg.model.lora.rank:  # adapters added and every base weight frozen, before DDP as well
         log.info(apply_lora(model, cfg.model.lora))

@@ -1,9 +1,9 @@
 """Training-level parity of the parallel layouts (CPU, gloo, 2 processes) against one process.
 
-Every run starts from the same weights: a weights-only checkpoint of a one-process init is
-loaded by every layout (megatron's init is not layout independent under PP and EP: a stage
-or an expert rank draws its weights from a different point of the RNG stream). The runs then
-train a few steps on the same data and must log the same per-step losses (metrics.jsonl)
+Every run starts from the same weights with no checkpoint: the initial weights are a function
+of train.seed alone (model.init=layout_independent, models/common/layout_init.py), whatever the
+layout; the torchrun check below shows every rank's pieces equal the one-process model's. The runs
+then train a few steps on the same data and must log the same per-step losses (metrics.jsonl)
 and gradient norms within fp32 tolerance.
 
 Batches: with DP > 1 rank r reads samples r, r+DP, ... and packs its own rows, so a DP=2
@@ -16,6 +16,7 @@ later pipeline stages must get every sample boundary (cu_seqlens) right.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -113,18 +114,8 @@ def _compare(ref: dict, got: dict, what: str, world: int = 2) -> tuple[float, fl
 
 
 @pytest.fixture(scope="module")
-def dense_init(tmp_path_factory, mcore):
-    return _save_init_weights(tmp_path_factory.mktemp("dense_init"), DENSE, [])
-
-
-@pytest.fixture(scope="module")
-def moe_init(tmp_path_factory, mcore):
-    return _save_init_weights(tmp_path_factory.mktemp("moe_init"), MOE, [])
-
-
-@pytest.fixture(scope="module")
-def dense_packed_ref(tmp_path_factory, dense_init):
-    return _run(tmp_path_factory.mktemp("ref_packed"), DENSE, *PACKED, f"checkpoint.load={dense_init}")
+def dense_packed_ref(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("ref_packed"), DENSE, *PACKED)
 
 
 def test_one_sample_per_row_setting_holds():
@@ -140,10 +131,10 @@ def test_one_sample_per_row_setting_holds():
 
 
 @pytest.fixture(scope="module")
-def pp2_run(tmp_path_factory, dense_init):
-    """pp=2 from the shared init, with a checkpoint at step 2 (for the resume test)."""
+def pp2_run(tmp_path_factory):
+    """pp=2, with a checkpoint at step 2 (for the resume test)."""
     out = tmp_path_factory.mktemp("pp2")
-    rows = _run(out, DENSE, *PACKED, f"checkpoint.load={dense_init}", "parallel.pp=2",
+    rows = _run(out, DENSE, *PACKED, "parallel.pp=2",
                 f"checkpoint.dir={out / 'ck'}", "checkpoint.interval=2", nproc=2)
     return out, rows
 
@@ -155,8 +146,8 @@ def pp2_run(tmp_path_factory, dense_init):
     # weight gradients into main_grad: the vocab-parallel lookup (ids outside the shard) and head
     ["parallel.tp=2", "model.grad_accum_fusion=true"],
 ], ids=["tp2", "tp2_sp", "tp2_wgrad_fusion"])
-def test_tp_matches_one_process(tmp_path, dense_init, dense_packed_ref, layout):
-    got = _run(tmp_path, DENSE, *PACKED, f"checkpoint.load={dense_init}", *layout, nproc=2)
+def test_tp_matches_one_process(tmp_path, dense_packed_ref, layout):
+    got = _run(tmp_path, DENSE, *PACKED, *layout, nproc=2)
     _compare(dense_packed_ref, got, "+".join(layout))
 
 
@@ -166,22 +157,22 @@ def test_pp2_matches_one_process(dense_packed_ref, pp2_run):
 
 
 @pytest.mark.slow
-def test_pp2_wgrad_fusion_matches_one_process(tmp_path, dense_init, dense_packed_ref):
+def test_pp2_wgrad_fusion_matches_one_process(tmp_path, dense_packed_ref):
     """The tied embedding's lookup (stage 0) and LM head (stage 1, its own copy) both add into
     main_grad; megatron then sums the two stages' main_grad."""
-    got = _run(tmp_path, DENSE, *PACKED, f"checkpoint.load={dense_init}", "parallel.pp=2",
+    got = _run(tmp_path, DENSE, *PACKED, "parallel.pp=2",
                "model.grad_accum_fusion=true", nproc=2)
     _compare(dense_packed_ref, got, "pp2+grad_accum_fusion")
 
 
 @pytest.fixture(scope="module")
-def dense_dp1_ref(tmp_path_factory, dense_init):
-    return _run(tmp_path_factory.mktemp("dp1"), DENSE, *ONE_PER_ROW, f"checkpoint.load={dense_init}")
+def dense_dp1_ref(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("dp1"), DENSE, *ONE_PER_ROW)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flat_adamw", ["false", "true"])
-def test_dp2_distributed_optimizer_matches_dp1_and_resumes(tmp_path, dense_init, dense_dp1_ref, flat_adamw):
+def test_dp2_distributed_optimizer_matches_dp1_and_resumes(tmp_path, dense_dp1_ref, flat_adamw):
     """megatron's distributed optimizer at DP=2 against one process, then a resume from its step-2
     checkpoint reproduces steps 3-4 exactly. The checkpoint uses the "dp_reshardable" layout (the
     default one fails in megatron-core 0.19's own checkpointing), and the resume restores the AdamW
@@ -191,7 +182,7 @@ def test_dp2_distributed_optimizer_matches_dp1_and_resumes(tmp_path, dense_init,
     buffer (main params and moments packed densely) and writes the model params into the buffer
     megatron all-gathers; the loaded shards must land in the flat buffers."""
     opts = ["parallel.use_distributed_optimizer=true", f"optimizer.flat={flat_adamw}"]
-    full = _run(tmp_path / "full", DENSE, *ONE_PER_ROW, f"checkpoint.load={dense_init}", *opts,
+    full = _run(tmp_path / "full", DENSE, *ONE_PER_ROW, *opts,
                 f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.interval=2", nproc=2)
     _compare(dense_dp1_ref, full, f"dp2+distributed_optimizer (flat AdamW: {flat_adamw})")
     resumed = _run(tmp_path / "resumed", DENSE, *ONE_PER_ROW, *opts, f"checkpoint.load={tmp_path / 'ck' / 'iter_0000002'}",
@@ -203,61 +194,61 @@ def test_dp2_distributed_optimizer_matches_dp1_and_resumes(tmp_path, dense_init,
 
 
 @pytest.mark.slow
-def test_dp2_overlapped_grad_reduce_with_wgrad_fusion_matches_dp1(tmp_path, dense_init, dense_dp1_ref):
+def test_dp2_overlapped_grad_reduce_with_wgrad_fusion_matches_dp1(tmp_path, dense_dp1_ref):
     """DDP's bucketed all-reduce started from the gradient hooks (the 9B-397B recipes' setting)
     with every weight gradient added into main_grad where it is made: each hook must still fire
     once per weight (the tied embedding / LM head weight: one placeholder) or a bucket never
     reduces."""
-    got = _run(tmp_path / "dp2", DENSE, *ONE_PER_ROW, f"checkpoint.load={dense_init}",
+    got = _run(tmp_path / "dp2", DENSE, *ONE_PER_ROW,
                "parallel.overlap_grad_reduce=true", "model.grad_accum_fusion=true", nproc=2)
     _compare(dense_dp1_ref, got, "dp2+overlap_grad_reduce+grad_accum_fusion")
 
 
 @pytest.fixture(scope="module")
-def moe_ref(tmp_path_factory, moe_init):
-    return _run(tmp_path_factory.mktemp("moe_ref"), MOE, *ONE_PER_ROW, f"checkpoint.load={moe_init}")
+def moe_ref(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("moe_ref"), MOE, *ONE_PER_ROW)
 
 
 @pytest.mark.slow
-def test_ep2_matches_one_process(tmp_path, moe_init, moe_ref):
-    got = _run(tmp_path, MOE, *ONE_PER_ROW, f"checkpoint.load={moe_init}", "parallel.ep=2", nproc=2)
+def test_ep2_matches_one_process(tmp_path, moe_ref):
+    got = _run(tmp_path, MOE, *ONE_PER_ROW, "parallel.ep=2", nproc=2)
     _compare(moe_ref, got, "ep2")
 
 
 @pytest.mark.slow
-def test_ep2_flat_adamw_matches_one_process(tmp_path, moe_init, moe_ref):
+def test_ep2_flat_adamw_matches_one_process(tmp_path, moe_ref):
     """optimizer.flat=true (here its PyTorch reference) under EP=2: two megatron optimizers (dense and
     expert parameters, the latter in DDP's expert-parallel buffers) each get flat buffers, and
     megatron clips in place (no deferred scale with two optimizers), which the flat step must see."""
-    got = _run(tmp_path, MOE, *ONE_PER_ROW, f"checkpoint.load={moe_init}", "parallel.ep=2", "optimizer.flat=true",
+    got = _run(tmp_path, MOE, *ONE_PER_ROW, "parallel.ep=2", "optimizer.flat=true",
                nproc=2)
     _compare(moe_ref, got, "ep2 + flat AdamW")
 
 
 @pytest.mark.slow
-def test_ep2_distributed_optimizer_matches_one_process(tmp_path, moe_init, moe_ref):
+def test_ep2_distributed_optimizer_matches_one_process(tmp_path, moe_ref):
     """The grouped experts' stacked weights in megatron's distributed optimizer: dense parameters
     sharded over DP = 2, expert parameters in the expert-parallel buffers (expert DP = 1)."""
-    got = _run(tmp_path, MOE, *ONE_PER_ROW, f"checkpoint.load={moe_init}", "parallel.ep=2",
+    got = _run(tmp_path, MOE, *ONE_PER_ROW, "parallel.ep=2",
                "parallel.use_distributed_optimizer=true", nproc=2)
     _compare(moe_ref, got, "ep2 + distributed optimizer")
 
 
 @pytest.mark.slow
-def test_tp2_moe_expert_tensor_parallel_matches_one_process(tmp_path, moe_init, moe_ref):
+def test_tp2_moe_expert_tensor_parallel_matches_one_process(tmp_path, moe_ref):
     """TP=2 with sequence parallelism splits every expert over the two ranks (megatron's expert
     TP = TP): the grouped experts hold [gate_r | up_r] rows of fc1 and columns of fc2, load those
     shards from the one-process checkpoint, and the dispatcher all-gathers / reduce-scatters the
     tokens over TP around them."""
-    got = _run(tmp_path, MOE, *ONE_PER_ROW, f"checkpoint.load={moe_init}", "parallel.tp=2",
+    got = _run(tmp_path, MOE, *ONE_PER_ROW, "parallel.tp=2",
                "parallel.sequence_parallel=true", nproc=2)
     _compare(moe_ref, got, "tp2+sp (MoE, expert TP 2)")
 
 
 @pytest.mark.slow
-def test_pp2_moe_untied_matches_one_process(tmp_path, moe_init, moe_ref):
+def test_pp2_moe_untied_matches_one_process(tmp_path, moe_ref):
     """MoE layers (and their aux loss) on both stages, untied embedding and output layer."""
-    got = _run(tmp_path, MOE, *ONE_PER_ROW, f"checkpoint.load={moe_init}", "parallel.pp=2", nproc=2)
+    got = _run(tmp_path, MOE, *ONE_PER_ROW, "parallel.pp=2", nproc=2)
     _compare(moe_ref, got, "pp2 (MoE, untied)")
 
 
@@ -424,10 +415,10 @@ def test_pp2_stages_build_their_layers_and_start_with_equal_tied_embeddings(tmp_
 
 
 @pytest.mark.slow
-def test_pp2_validation_matches_one_process(tmp_path, dense_init):
+def test_pp2_validation_matches_one_process(tmp_path):
     """The validation loss under pipeline parallelism (forward-only schedule, loss on the last
     stage broadcast to the first) equals one process's, and training is the same as without it."""
-    over = [*PACKED, f"checkpoint.load={dense_init}", "train.eval_interval=2", "train.eval_iters=2"]
+    over = [*PACKED, "train.eval_interval=2", "train.eval_iters=2"]
     ref = _run(tmp_path / "one", DENSE, *over)
     got = _run(tmp_path / "pp2", DENSE, *over, "parallel.pp=2", nproc=2)
     _compare(ref, got, "parallel.pp=2 with validation")
@@ -435,3 +426,43 @@ def test_pp2_validation_matches_one_process(tmp_path, dense_init):
         assert got[s]["val_tokens"] == ref[s]["val_tokens"] > 0, s
         assert abs(got[s]["val_loss"] - ref[s]["val_loss"]) <= LOSS_TOL, (s, ref[s]["val_loss"], got[s]["val_loss"])
     print(f"PARITY pp=2 validation: val_loss {ref[4]['val_loss']} vs {got[4]['val_loss']}")
+
+
+@pytest.mark.parametrize("config", [DENSE, MOE])
+def test_layout_independent_init_keeps_each_parameters_distribution(mcore, config):
+    """model.init=layout_independent redraws each random parameter from the distribution megatron (or
+    torch, for the vision tower) drew it from today: constants stay as built, uniform draws keep
+    their bound, normal draws their std (megatron's own draw is checked against the same rule); and
+    the values depend on the seed alone, not on the global RNG state the model was built under.
+    That the values do not depend on the layout either is the torchrun check above."""
+    from core.seeding import seed_everything
+    from models import get_model_builder
+    from models.common.layout_init import init_layout_independent, rules
+    from models.common.parallel_config import ParallelConfig
+    from multimodal.config import load_config
+
+    m = load_config(config, []).model
+    models = []
+    for rng in (1, 2):
+        seed_everything(rng)
+        models.append(get_model_builder(m.name)(m, ParallelConfig(), torch.float32))
+    megatron = {n: p.detach().clone() for n, p in models[0].named_parameters()}
+    for model in models:
+        init_layout_independent(model, 1234)
+    other = dict(models[1].named_parameters())
+    for name, rule in rules(models[0]).items():
+        new, old = dict(models[0].named_parameters())[name].detach(), megatron[name]
+        assert torch.equal(new, other[name]), name
+        if rule.kind == "keep":
+            assert torch.equal(new, old), name
+            continue
+        assert not torch.equal(new, old), name
+        if rule.kind == "uniform":
+            for t in (new, old):
+                assert t.abs().max() <= rule.a and (t.numel() < 1000 or t.abs().max() > 0.95 * rule.a), name
+        elif rule.kind == "log_uniform":
+            for t in (new, old):
+                assert math.log(rule.a) <= t.min() and t.max() <= math.log(rule.b), name
+        elif new.numel() >= 4096:  # normal: the std estimate is then within ~1% of the truth
+            for t in (new, old):
+                assert t.std().item() == pytest.approx(rule.a, rel=0.05), (name, t.std().item(), rule.a)

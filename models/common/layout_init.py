@@ -149,7 +149,7 @@ def sharded_pieces(model):
         else:
             pieces = [entry]
         for st in pieces:
-            if not isinstance(st, ShardedTensor) or st.prepend_axis_num or st.flattened_range is not None:
+            if not isinstance(st, ShardedTensor) or st.flattened_range is not None:
                 raise ValueError(f"{name}: a piece that is not a plain slice of its global tensor ({type(st).__name__})")
             yield name, st
 
@@ -174,7 +174,11 @@ def init_layout_independent(model, seed: int) -> dict:
             raise ValueError(f"{name}: its sharded piece {st.key} is not a view of the parameter")
         covered[name] += st.data.numel()
         if rule.kind != "keep":
-            fill_piece(st.data, st.key, st.global_offset, st.global_shape, rule, seed)
+            # a model whose layers are all alike stacks them on prepended axes (megatron's layer
+            # index): each index is a tensor of its own, named by the key and that index
+            k = st.prepend_axis_num
+            key = st.key + "".join(f"/{i}" for i in st.global_offset[:k])
+            fill_piece(st.data, key, st.global_offset[k:], st.global_shape[k:], rule, seed)
     missing = [n for n, k in covered.items() if k != params[n].numel() and by_name[n].kind != "keep"]
     if missing:
         raise ValueError(f"{missing[0]}: the sharded state dict does not cover this parameter exactly "

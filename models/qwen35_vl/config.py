@@ -69,6 +69,9 @@ class ModelConfig(CommonModelConfig):
     # their mean loss added to the LM loss
     mtp_num_layers: int = 0
     mtp_loss_scale: float = 0.1
+    # initial weights: layout_independent = a function of train.seed alone, the same model under any
+    # TP/PP/EP/CP/DP layout (models/common/layout_init.py); megatron = megatron-core's per-rank draw
+    init: str = "layout_independent"
     vision: VisionConfig = field(default_factory=VisionConfig)
 
     def is_full_attention(self, layer: int) -> bool:
