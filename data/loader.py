@@ -126,6 +126,19 @@ class MicroBatchIterator:
         self._blank: dict | None = None
         self._first: dict | None = None  # one_pass: the first usable sample read, the blank's template
 
+    @classmethod
+    def from_config(cls, dataset, model, data, train, dp_rank: int = 0, dp_size: int = 1, *,
+                    pad_multiple: int | None = None, one_pass: bool = False) -> MicroBatchIterator:
+        """The iterator a recipe describes, from its sections: row length and micro-batch size from
+        ``train``, the pad id, placeholder ids and merge size from ``model``, packing, look-ahead,
+        decode workers and bad-row limit from ``data``. ``pad_multiple``: what the parallel layout
+        needs (the trainer's ``sequence_pad_multiple``); None: ``data.pad_multiple``, or 1."""
+        return cls(dataset, train.seq_length, model.pad_token_id, model.vision_token_ids,
+                   model.vision.spatial_merge_size, data.pack, train.micro_batch_size, dp_rank, dp_size,
+                   max_bad_fraction=data.max_bad_fraction, num_workers=data.num_workers or 0,
+                   pad_multiple=pad_multiple or data.pad_multiple or 1, pack_lookahead=data.pack_lookahead,
+                   one_pass=one_pass)
+
     def _read(self, index: int) -> dict | None:
         if not self.num_workers:
             return self.dataset[index % len(self.dataset)]

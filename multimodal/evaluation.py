@@ -88,13 +88,10 @@ class Evaluator:
 
     def _loader(self) -> MicroBatchIterator:
         """A fresh pass from the validation set's start (rank r reads samples r, r + DP, ...)."""
-        cfg, m, t = self.cfg, self.cfg.model, self.cfg.train
-        return MicroBatchIterator(
-            self.dataset, t.seq_length, m.pad_token_id, m.vision_token_ids, m.vision.spatial_merge_size,
-            cfg.data.pack, t.micro_batch_size, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size(),
-            max_bad_fraction=cfg.data.max_bad_fraction, num_workers=cfg.data.num_workers,
-            pad_multiple=sequence_pad_multiple(cfg), pack_lookahead=cfg.data.pack_lookahead, one_pass=True,
-        )
+        cfg = self.cfg
+        return MicroBatchIterator.from_config(
+            self.dataset, cfg.model, cfg.data, cfg.train, ps.get_data_parallel_rank(),
+            ps.get_data_parallel_world_size(), pad_multiple=sequence_pad_multiple(cfg), one_pass=True)
 
     def _forward_step(self) -> ForwardStep:
         m = self.cfg.model

@@ -268,12 +268,8 @@ def _build_and_loop(cfg: Config, rt: Runtime, dtype: torch.dtype, mem: MemoryToo
         cfg.data.num_workers = default_num_workers(rt.is_cuda)
         log.info("data: %d decode worker process(es) per rank (data.num_workers)", cfg.data.num_workers)
     dataset = build_dataset(m, cfg.data, t.seq_length)
-    loader = MicroBatchIterator(
-        dataset, t.seq_length, m.pad_token_id, m.vision_token_ids, m.vision.spatial_merge_size,
-        cfg.data.pack, t.micro_batch_size, dp_rank, dp_size, max_bad_fraction=cfg.data.max_bad_fraction,
-        num_workers=cfg.data.num_workers, pad_multiple=sequence_pad_multiple(cfg),
-        pack_lookahead=cfg.data.pack_lookahead,
-    )
+    loader = MicroBatchIterator.from_config(dataset, m, cfg.data, t, dp_rank, dp_size,
+                                            pad_multiple=sequence_pad_multiple(cfg))
 
     start, last_good = 0, None
     if hf_plan is not None:

@@ -44,9 +44,7 @@ def main(argv=None) -> int:
         cfg.data.num_workers = args.workers
     m, t = cfg.model, cfg.train
     ds = build_dataset(m, cfg.data, t.seq_length)
-    it = MicroBatchIterator(ds, t.seq_length, m.pad_token_id, m.vision_token_ids, m.vision.spatial_merge_size,
-                            cfg.data.pack, t.micro_batch_size, 0, 1, max_bad_fraction=cfg.data.max_bad_fraction,
-                            num_workers=cfg.data.num_workers or 0, pack_lookahead=cfg.data.pack_lookahead)
+    it = MicroBatchIterator.from_config(ds, m, cfg.data, t)
     next(it)  # warm-up (imports, first file reads)
     start_seen, start = it.seen, time.perf_counter()
     tokens = 0

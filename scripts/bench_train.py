@@ -183,9 +183,7 @@ def rebuild_batches(cfg, total_steps: int) -> list[list[dict]]:
 
     m, t = cfg.model, cfg.train
     dataset = build_dataset(m, cfg.data, t.seq_length)
-    loader = MicroBatchIterator(dataset, t.seq_length, m.pad_token_id, m.vision_token_ids, m.vision.spatial_merge_size,
-                                cfg.data.pack, t.micro_batch_size, 0, 1, max_bad_fraction=cfg.data.max_bad_fraction,
-                                pack_lookahead=cfg.data.pack_lookahead)
+    loader = MicroBatchIterator.from_config(dataset, m, cfg.data, t)
     per_step = t.global_batch_size // t.micro_batch_size
     it = iter(loader)
     return [[next(it) for _ in range(per_step)] for _ in range(total_steps)]

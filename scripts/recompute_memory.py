@@ -41,9 +41,7 @@ def measure(config: str, overrides: list[str], dtype: torch.dtype) -> dict:
         ps.initialize_model_parallel(1, 1)
     m, t = cfg.model, cfg.train
     dataset = build_dataset(m, cfg.data, t.seq_length)
-    host = next(iter(MicroBatchIterator(dataset, t.seq_length, m.pad_token_id, m.vision_token_ids,
-                                        m.vision.spatial_merge_size, cfg.data.pack, 1, 0, 1,
-                                        pack_lookahead=cfg.data.pack_lookahead)))
+    host = next(iter(MicroBatchIterator.from_config(dataset, m, cfg.data, t)))
     batch = to_device(host, rt.device, dtype, row_extras=get_model_family(m.name).packed_row_extras)
     rows = {}
     for modules in sweep_choices(m):

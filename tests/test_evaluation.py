@@ -144,9 +144,7 @@ def _worker(out: Path) -> None:
         through the model (no megatron schedule, no ForwardStep, no sparse LM head)."""
         cfg, m = ev.cfg, ev.cfg.model
         data = dataclasses.replace(cfg.data, seed=cfg.data.seed + 1)  # the held-out mock samples
-        loader = MicroBatchIterator(build_dataset(m, data, cfg.train.seq_length), cfg.train.seq_length,
-                                    m.pad_token_id, m.image_token_id, m.vision.spatial_merge_size, True, 1, 0, 1,
-                                    pack_lookahead=cfg.data.pack_lookahead)
+        loader = MicroBatchIterator.from_config(build_dataset(m, data, cfg.train.seq_length), m, data, cfg.train)
         model = ev.ddp.module
         model.eval()
         total, tokens = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
