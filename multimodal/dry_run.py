@@ -54,6 +54,9 @@ OPTIM_BYTES = 3 * FP32
 # CUDA context, NCCL communicator buffers, allocator fragmentation: a rule of thumb, not measured.
 DEFAULT_OVERHEAD_GIB = 5.0
 NOT_IMPLEMENTED = "not implemented yet"
+# a pipeline stage this far above the mean of the stages is reported: the pipeline runs at the pace
+# of its busiest stage, and its fullest GPU sets the memory the layout needs
+IMBALANCE = 0.20
 
 
 # ---------------------------------------------------------------- layout
@@ -266,6 +269,43 @@ def stage_memory(cfg: Config, lay: Layout, sp_: StageParams, overhead_gib: float
     return StageMemory(weights / GIB, grads / GIB, optim / GIB, act / GIB, in_flight, overhead_gib)
 
 
+# ---------------------------------------------------------------- pipeline
+
+
+def bubble_fraction(pp: int, microbatches: int) -> float:
+    """Idle share of a non-interleaved 1F1B step with equal stage times: a step takes m + pp - 1
+    micro-batch slots per stage, of which pp - 1 are the pipeline filling and draining."""
+    if pp <= 1 or microbatches < 1:
+        return 0.0
+    return (pp - 1) / (microbatches + pp - 1)
+
+
+def above_mean(values: list[float], limit: float = IMBALANCE) -> list[tuple[int, float]]:
+    """(stage, share above the mean) of every stage more than ``limit`` above the mean of ``values``."""
+    mean = sum(values) / len(values) if values else 0.0
+    return [(i, v / mean - 1) for i, v in enumerate(values) if mean > 0 and v > (1 + limit) * mean]
+
+
+def pipeline_report(lay: Layout, stages: list[StageParams], mems: list[StageMemory]) -> list[str]:
+    """The pipeline lines of the dry run (the table above them has each stage's parameters and
+    activations): the bubble, and a warning for every stage more than IMBALANCE above the mean of
+    the stages in parameters or in memory."""
+    if lay.pp == 1:
+        return ["pipeline: pp=1, no bubble"]
+    lines = [f"pipeline: 1F1B over {lay.pp} stages, {lay.num_microbatches} micro-batches per step per DP rank: "
+             f"bubble (pp-1)/(m+pp-1) = {bubble_fraction(lay.pp, lay.num_microbatches):.1%} of the step"]
+    checks = (("holds", "parameters", [st.total for st in stages], _fmt_params,
+               "the busiest stage sets the step time"),
+              ("needs", "of memory", [mem.total for mem in mems], lambda v: f"{v:.1f} GiB",
+               "the fullest GPU sets the memory the layout needs"))
+    for verb, what, values, fmt, why in checks:
+        mean = sum(values) / len(values)
+        for stage, excess in above_mean(values):
+            lines.append(f"warning: stage {stage} {verb} {fmt(values[stage])} {what}, {excess:.0%} above the "
+                         f"mean of the stages ({fmt(mean)}): {why}")
+    return lines
+
+
 # ---------------------------------------------------------------- report
 
 
@@ -322,6 +362,8 @@ def dry_run(cfg: Config, world_size: int | None = None, gpu_mem_gib: float = 80.
     for sp_ in {stages[0].stage: stages[0], stages[-1].stage: stages[-1]}.values():  # first, last
         parts = ", ".join(f"{k} {_fmt_params(v)}" for k, v in sp_.parts.items() if v)
         out(f"  stage {sp_.stage} per rank: {parts}")
+    for line in pipeline_report(lay, stages, mems):
+        out(f"  {line}")
     for note in notes:
         out(f"  note: {note}")
     if worst > gpu_mem_gib:

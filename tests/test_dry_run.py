@@ -179,6 +179,35 @@ def test_moe_overlap_holds_one_more_micro_batch():
     assert 1.8 * off.activations < on.activations < 2 * off.activations
 
 
+def test_pipeline_bubble_and_unbalanced_stages_are_reported():
+    """1F1B's bubble (pp-1)/(m+pp-1), m = micro-batches per step per DP rank, and one warning line
+    per stage more than 20% above the mean of the stages, in parameters or in memory."""
+    from multimodal.dry_run import above_mean, bubble_fraction, dry_run
+
+    assert bubble_fraction(1, 8) == 0 and bubble_fraction(4, 32) == pytest.approx(3 / 35)
+    assert [s for s, _ in above_mean([1.0, 1.0, 1.0, 1.3])] == [3]  # 21% above the mean of 1.075
+    assert above_mean([1.0, 1.2]) == []  # 9% above the mean of 1.1
+
+    def run(*over):
+        cfg = load_config("configs/qwen35_vl_397b_a17b.yaml", list(over))
+        lines: list[str] = []
+        assert dry_run(cfg, gpu_mem_gib=1000, out=lines.append) == 0  # fitting is not the point here
+        return check_layout(cfg, cfg.parallel.world_size)[0], lines
+
+    lay, lines = run()
+    m = lay.num_microbatches
+    assert lay.pp == 4 and sum(f"bubble (pp-1)/(m+pp-1) = {3 / (m + 3):.1%}" in line for line in lines) == 1
+    # stage 0 holds the vision tower and the embedding and keeps pp micro-batches in flight; the
+    # other stages sit at or below the mean
+    warnings = [line for line in lines if "warning:" in line]
+    assert len(warnings) == 2 and "stage 0 holds" in warnings[0] and "stage 0 needs" in warnings[1], warnings
+    lay2, lines = run("train.global_batch_size=512")  # twice the micro-batches: a smaller bubble
+    assert lay2.num_microbatches == 2 * m
+    assert any(f"bubble (pp-1)/(m+pp-1) = {3 / (2 * m + 3):.1%}" in line for line in lines)
+    _, lines = run("parallel.pp=1", "parallel.world_size=128")
+    assert "  pipeline: pp=1, no bubble" in lines and not any("warning:" in line for line in lines)
+
+
 # ---------------------------------------------------------------- the CLI on the big recipes
 
 
