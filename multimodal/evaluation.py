@@ -1,6 +1,6 @@
 """Validation loss: ``train.eval_interval`` steps apart and after the last step.
 
-    evaluator = Evaluator.build(cfg, rt, ddp, optimizer, dtype, num_microbatches)  # None when off
+    evaluator = Evaluator.build(cfg, rt, ddp, optimizer, step, num_microbatches)  # None when off
     if evaluator is not None and evaluator.due(it):
         metrics = evaluator.run(it)   # {"val_loss": ..., "val_tokens": ..., "val_time_s": ...}
 
@@ -13,6 +13,8 @@ What one evaluation does:
   rows after its end are blank (no supervised token; ``one_pass`` in data/loader.py).
 - Forward only: megatron's forward_backward_func with ``forward_only=True`` (any pipeline layout),
   under ``torch.no_grad`` with the model in eval mode, the modules' own modes restored afterwards.
+  The micro-batches go through training's own ``ForwardStep`` (the run has one), so the two cannot
+  differ in how a batch reaches the model; the host stats it records here are taken back out.
 - Loss: the training loss's definition: per micro-batch the sum of masked token losses and the
   token count (multimodal/loss.py), summed over micro-batches on the device, broadcast from the last
   pipeline stage, summed over context- and data-parallel ranks; val_loss = sum / tokens, i.e. the
@@ -41,7 +43,6 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from data.loader import MicroBatchIterator
 from data.registry import build_dataset
-from models import get_model_family
 from multimodal import checkpointing
 from multimodal.context_parallel import sequence_pad_multiple
 from multimodal.forward_step import ForwardStep
@@ -63,8 +64,8 @@ def valid_data_config(data_cfg):
 
 
 class Evaluator:
-    def __init__(self, cfg, rt, ddp, optimizer, dtype, num_microbatches: int, dataset):
-        self.cfg, self.rt, self.ddp, self.optimizer, self.dtype = cfg, rt, ddp, optimizer, dtype
+    def __init__(self, cfg, rt, ddp, optimizer, step: ForwardStep, num_microbatches: int, dataset):
+        self.cfg, self.rt, self.ddp, self.optimizer, self.step = cfg, rt, ddp, optimizer, step
         self.num_microbatches = num_microbatches
         self.dataset = dataset
         self.interval, self.iters, self.last = cfg.train.eval_interval, cfg.train.eval_iters, cfg.train.iters
@@ -72,7 +73,7 @@ class Evaluator:
         self._told_blank = False
 
     @classmethod
-    def build(cls, cfg, rt, ddp, optimizer, dtype, num_microbatches: int) -> Evaluator | None:
+    def build(cls, cfg, rt, ddp, optimizer, step: ForwardStep, num_microbatches: int) -> Evaluator | None:
         """None when ``train.eval_interval`` is 0. The validation set is opened here, at start-up,
         so a missing file stops the run before the first step, not at the first evaluation."""
         if not cfg.train.eval_interval:
@@ -81,7 +82,7 @@ class Evaluator:
         log.info("validation: %d samples, %d global batch(es) (%d rows) every %d steps and after the last",
                  len(dataset), cfg.train.eval_iters, cfg.train.eval_iters * cfg.train.global_batch_size,
                  cfg.train.eval_interval)
-        return cls(cfg, rt, ddp, optimizer, dtype, num_microbatches, dataset)
+        return cls(cfg, rt, ddp, optimizer, step, num_microbatches, dataset)
 
     def due(self, it: int) -> bool:
         return it % self.interval == 0 or it == self.last
@@ -92,14 +93,6 @@ class Evaluator:
         return MicroBatchIterator.from_config(
             self.dataset, cfg.model, cfg.data, cfg.train, ps.get_data_parallel_rank(),
             ps.get_data_parallel_world_size(), pad_multiple=sequence_pad_multiple(cfg), one_pass=True)
-
-    def _forward_step(self) -> ForwardStep:
-        m = self.cfg.model
-        return ForwardStep(self.rt.device, self.dtype, cp_size=ps.get_context_parallel_world_size(),
-                           cp_rank=ps.get_context_parallel_rank(), cp_group=ps.get_context_parallel_group(),
-                           image_token_id=m.vision_token_ids, cp_split_vision=self.cfg.parallel.cp_split_vision,
-                           merge=m.vision.spatial_merge_size, sparse_lm_head=m.sparse_lm_head and m.fused_linear_ce,
-                           row_extras=get_model_family(m.name).packed_row_extras)
 
     def run(self, it: int) -> dict:
         """One evaluation with the current weights -> {val_loss, val_tokens, val_time_s} (every rank)."""
@@ -115,11 +108,12 @@ class Evaluator:
         modes = [(module, module.training) for module in self.ddp.modules()]
         loader = self._loader()
         report = torch.zeros(2, device=self.rt.device)  # [loss_sum, tokens], as training's
+        counted = len(self.step.batches)  # training's FLOP and token counts never see evaluation's rows
         self.ddp.eval()
         try:
             with torch.no_grad():
                 for _ in range(self.iters):
-                    outputs = self.fwd(forward_step_func=self._forward_step(), data_iterator=loader, model=[self.ddp],
+                    outputs = self.fwd(forward_step_func=self.step, data_iterator=loader, model=[self.ddp],
                                        num_microbatches=self.num_microbatches, seq_length=self.cfg.train.seq_length,
                                        micro_batch_size=self.cfg.train.micro_batch_size, forward_only=True)
                     for out in outputs:  # (none on pipeline stages without the loss)
@@ -132,6 +126,7 @@ class Evaluator:
                 for reason in g.eager_batches:
                     g.eager_batches[reason] = before.get(reason, 0)
             checkpointing._set_rng_state(rng)
+            del self.step.batches[counted:]
         self._tell_blank(loader)
         # the reductions of training's loss (training._start_log): last pipeline stage -> all
         # stages, then the sum over context-parallel and data-parallel ranks

@@ -307,6 +307,17 @@ def _build_and_loop(cfg: Config, rt: Runtime, dtype: torch.dtype, mem: MemoryToo
             batches.close()
 
 
+def forward_step(cfg: Config, rt: Runtime, dtype: torch.dtype) -> ForwardStep:
+    """The run's ForwardStep: how a micro-batch reaches the model (CP split, device copy, sparse LM
+    head), fixed for the run once the process groups exist; training and evaluation share it."""
+    m = cfg.model
+    return ForwardStep(rt.device, dtype, cp_size=ps.get_context_parallel_world_size(),
+                       cp_rank=ps.get_context_parallel_rank(), cp_group=ps.get_context_parallel_group(),
+                       image_token_id=m.vision_token_ids, cp_split_vision=cfg.parallel.cp_split_vision,
+                       merge=m.vision.spatial_merge_size, sparse_lm_head=m.sparse_lm_head and m.fused_linear_ce,
+                       row_extras=get_model_family(m.name).packed_row_extras)
+
+
 def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microbatches, dtype,
           mem: MemoryTools | None = None, last_good: str | None = None, lineage: dict | None = None) -> TrainResult:
     t, m, ck = cfg.train, cfg.model, cfg.checkpoint
@@ -331,7 +342,8 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
     saves = AsyncSaves() if ck.dir and use_async else None
     stop = platform.StopSignals().install()  # SIGTERM / SIGINT: stop between steps, in one line
     began = time.perf_counter()
-    evaluator = Evaluator.build(cfg, rt, ddp, optimizer, dtype, num_microbatches)  # None: no validation
+    step = forward_step(cfg, rt, dtype)  # the run's one, shared with the evaluation
+    evaluator = Evaluator.build(cfg, rt, ddp, optimizer, step, num_microbatches)  # None: no validation
 
     def flush_log():
         nonlocal pending
@@ -372,12 +384,7 @@ def _loop(cfg, rt, model, ddp, optimizer, scheduler, batches, start, num_microba
             profiler.begin(it)
             ddp.zero_grad_buffer()
             optimizer.zero_grad()
-            step = ForwardStep(rt.device, dtype, cp_size=ps.get_context_parallel_world_size(),
-                               cp_rank=ps.get_context_parallel_rank(), cp_group=ps.get_context_parallel_group(),
-                               image_token_id=m.vision_token_ids, cp_split_vision=cfg.parallel.cp_split_vision,
-                               merge=m.vision.spatial_merge_size,
-                               sparse_lm_head=m.sparse_lm_head and m.fused_linear_ce,
-                               row_extras=get_model_family(m.name).packed_row_extras)
+            step.batches = []  # this step's micro-batches alone feed its FLOP and token counts
             outputs = fwd_bwd(
                 forward_step_func=step,
                 data_iterator=batches,

@@ -132,12 +132,20 @@ def _worker(out: Path) -> None:
     from megatron.core import tensor_parallel
 
     from data.loader import MicroBatchIterator, build_dataset
-    from multimodal import evaluation
+    from multimodal import evaluation, training
     from multimodal.training import train
     from helpers.proxy_fixtures import forward
 
-    seen = {"evals": [], "direct": []}
+    seen = {"evals": [], "direct": [], "shared": []}
     original = evaluation.Evaluator.run
+    made = []  # the ForwardSteps the runs built
+    build_step = training.forward_step
+
+    def counted_step(*args):
+        made.append(build_step(*args))
+        return made[-1]
+
+    training.forward_step = counted_step
 
     def direct_val_loss(ev) -> float:
         """sum of masked per-token losses / supervised tokens over the same samples, straight
@@ -165,7 +173,10 @@ def _worker(out: Path) -> None:
         model = self.ddp.module
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         rng = (torch.get_rng_state(), tensor_parallel.get_cuda_rng_tracker().get_states())
+        counted = list(self.step.batches)
         got = original(self, it)
+        # training's own ForwardStep, its rows for training's counts left as they were
+        seen["shared"].append(self.step is made[-1] and self.step.batches == counted)
         assert all(torch.equal(p, before[n]) for n, p in model.named_parameters()), "evaluation changed weights"
         assert all(mod.training for mod in model.modules()), "evaluation left a module in eval mode"
         assert torch.equal(torch.get_rng_state(), rng[0])
@@ -197,7 +208,7 @@ def _worker(out: Path) -> None:
         "frozen": run("frozen", "train.iters=2", "train.eval_interval=1", "train.eval_iters=2", "optimizer.lr=0",
                       "optimizer.min_lr=0", "checkpoint.dir=null"),
     }
-    (out / "result.json").write_text(json.dumps({"runs": runs, **seen}))
+    (out / "result.json").write_text(json.dumps({"runs": runs, "steps_made": len(made), **seen}))
 
 
 @pytest.fixture(scope="module")
@@ -222,8 +233,8 @@ def test_training_is_unchanged_by_evaluation(worker):
     plain, ev = _by_step(res["runs"]["plain"]), _by_step(res["runs"]["eval"])
     assert sorted(plain) == sorted(ev) == [1, 2, 3, 4]
     for s in plain:  # bit for bit on the CPU
-        assert (ev[s]["loss"], ev[s]["grad_norm"], ev[s]["param_norm"], ev[s]["supervised_tokens"]) == \
-               (plain[s]["loss"], plain[s]["grad_norm"], plain[s]["param_norm"], plain[s]["supervised_tokens"]), s
+        keys = ("loss", "grad_norm", "param_norm", "supervised_tokens", "real_token_fraction")
+        assert [ev[s][k] for k in keys] == [plain[s][k] for k in keys], s
     assert [s for s in ev if "val_loss" in ev[s]] == [2, 4] and not any("val_loss" in r for r in plain.values())
     assert ev[4]["val_loss"] < ev[2]["val_loss"]  # it trains, and the validation loss sees it
     assert ev[2]["val_tokens"] == ev[4]["val_tokens"] > 0  # the same samples each time
@@ -239,6 +250,7 @@ def test_evaluation_leaves_weights_modes_and_rng_alone(worker):
     # checked inside the worker around every evaluation (it fails the run otherwise)
     _, res = worker
     assert res["evals"] == [2, 4, 2, 4, 1, 2]
+    assert res["steps_made"] == 5 and res["shared"] == [True] * 6  # one ForwardStep a run, evaluation's too
 
 
 @pytest.mark.slow
