@@ -262,6 +262,7 @@ def test_pp2_moe_untied_matches_one_process(tmp_path, moe_ref):
         (["parallel.pp=2"], 3, r"not divisible by parallel.tp\*pp\*cp"),
         (["parallel.tp=4"], 4, r"linear_num_key_heads \(2\) must be divisible by parallel.tp\*cp"),
         (["parallel.ep=3", "train.global_batch_size=3"], 3, r"num_experts \(8\) must be divisible by parallel.ep \(3\)"),
+        (["model.init=random"], 1, r"model.init must be one of layout_independent\|megatron, got 'random'"),
     ],
 )
 def test_rejected_layouts_name_the_fix(overrides, world, needle):
