@@ -73,7 +73,9 @@ def test_deferred_grad_scaling_trains_like_the_separate_passes(tmp_path):
     assert all(r["grad_norm"] > 0.05 for r in deferred)
     for a, b in zip(deferred, passes):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-7), (a, b)
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-6), (a, b)
+        # the deferred path takes the norm of the unscaled gradients and scales it once; the two
+        # passes scale every element first: the same value up to fp32 summation rounding
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), (a, b)
         assert a["param_norm"] == pytest.approx(b["param_norm"], rel=1e-6), (a, b)
 
 
