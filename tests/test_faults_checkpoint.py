@@ -342,6 +342,9 @@ def test_cli_refuses_an_unwritable_checkpoint_dir_before_the_model_is_built(tmp_
 
 INTERRUPT_IN_STEP_3 = """
 import os, signal
+# a foreground run's Ctrl-C: a test suite started in the background (``cmd &``) hands its children
+# SIGINT ignored, as the shell does for background jobs
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import multimodal.training as tr
 real_add = tr._Window.add
 def add(self, batches, model_cfg):
