@@ -84,8 +84,10 @@ def meta_model(m, family):
 
 def chunk_plan(model, expert_group: int = EXPERT_GROUP) -> tuple[list[Chunk], list]:
     """Every chunk megatron would store for ``model`` (TP=1), and its ShardedObjects."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.dist_checkpointing.state_dict_utils import extract_sharded_base
+
+    from models.common.layout_init import pieces_of
 
     params = dict(model.named_parameters())
     sharded = model.sharded_state_dict()
@@ -96,18 +98,12 @@ def chunk_plan(model, expert_group: int = EXPERT_GROUP) -> tuple[list[Chunk], li
         if isinstance(entry, ShardedObject):
             objects.append(entry)
             continue
-        if isinstance(entry, ShardedTensorFactory):
-            built = entry.build()
-            tensors = list(built.values()) if isinstance(built, dict) else list(built)
-        elif isinstance(entry, ShardedTensor):
-            tensors = [entry]
-        else:
-            raise TypeError(f"{name}: unexpected sharded entry {type(entry).__name__}")
+        tensors = pieces_of(name, entry)
         param = params[name]
         if param.storage_offset() or not param.is_contiguous():
             raise ValueError(f"{name}: a parameter that is not a whole contiguous tensor cannot be streamed")
         for st in tensors:
-            assert isinstance(st, ShardedTensor) and st.prepend_axis_num == 0 and st.flattened_range is None, name
+            assert st.prepend_axis_num == 0, name
             stacked = ".experts." in name and param.dim() == 3 and st.data.shape[0] > expert_group
             spans = [(lo, min(lo + expert_group, st.data.shape[0])) for lo in range(0, st.data.shape[0], expert_group)] \
                 if stacked else [None]
@@ -530,8 +526,9 @@ def load_hf_weights(model, hf_dir: str | Path, m, adapter, plan: ReferencePlan) 
     ``reference_plan``), made from the HF tensors it needs when it is needed. A rank reads the
     tensors of its own pipeline stage and, of a stacked expert weight, only its own experts. LoRA
     adapters, which HF weights do not have, keep their initial values. Returns counts for the log."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+    from models.common.layout_init import pieces_of
     from models.common.lora import is_adapter_param
 
     folder = SafetensorsFolder(hf_dir)
@@ -548,13 +545,7 @@ def load_hf_weights(model, hf_dir: str | Path, m, adapter, plan: ReferencePlan) 
         for name, entry in model.sharded_state_dict().items():
             if isinstance(entry, ShardedObject):
                 continue
-            if isinstance(entry, ShardedTensorFactory):
-                built = entry.build()
-                pieces = list(built.values()) if isinstance(built, dict) else list(built)
-            else:
-                pieces = [entry]
-            for st in pieces:
-                assert isinstance(st, ShardedTensor), name
+            for st in pieces_of(name, entry):
                 if st.key not in plan.chunks:
                     if is_adapter_param(name):
                         done["fresh"] += 1
@@ -570,8 +561,8 @@ def load_hf_weights(model, hf_dir: str | Path, m, adapter, plan: ReferencePlan) 
 def _fill(st, chunks: list[Chunk], sources: dict, folder: SafetensorsFolder, m, strides: dict, adapter) -> None:
     """Copy into ``st.data`` (this rank's piece of a global tensor, at ``st.global_offset``) the
     overlapping parts of the TP=1 chunks that store that tensor."""
-    if st.prepend_axis_num or st.flattened_range is not None:
-        raise ValueError(f"{st.key}: a prepended or flattened shard cannot be loaded from Hugging Face directly")
+    if st.prepend_axis_num:  # (pieces_of already refused flattened ones)
+        raise ValueError(f"{st.key}: a shard with prepended axes cannot be loaded from Hugging Face directly")
     offset, shape = list(st.global_offset), list(st.local_shape)
     for c in chunks:
         lo = [max(a, b) for a, b in zip(offset, c.offset)]

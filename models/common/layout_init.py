@@ -135,22 +135,32 @@ def fill_piece(data: torch.Tensor, key: str, global_offset, global_shape, rule: 
         local[lo - first:hi - first].copy_(block[lo - b0:hi - b0][inner])
 
 
+def pieces_of(name: str, entry) -> list:
+    """The ShardedTensors a sharded-state-dict entry stores: a factory (GDN's sectioned ``in_proj``,
+    fc1's gate/up halves) built into its pieces, each a view of the parameter; refused in one line
+    when a piece is not a plain slice of its global tensor."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    if isinstance(entry, ShardedTensorFactory):
+        built = entry.build()
+        pieces = list(built.values()) if isinstance(built, dict) else list(built)
+    else:
+        pieces = [entry]
+    for st in pieces:
+        if not isinstance(st, ShardedTensor) or st.flattened_range is not None:
+            raise ValueError(f"{name}: a piece that is not a plain slice of its global tensor ({type(st).__name__})")
+    return pieces
+
+
 def sharded_pieces(model):
     """(parameter name, ShardedTensor) for every piece of every parameter ``model`` holds."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     params = dict(model.named_parameters())
     for name, entry in model.sharded_state_dict().items():
         if isinstance(entry, ShardedObject) or name not in params:
             continue
-        if isinstance(entry, ShardedTensorFactory):
-            built = entry.build()
-            pieces = list(built.values()) if isinstance(built, dict) else list(built)
-        else:
-            pieces = [entry]
-        for st in pieces:
-            if not isinstance(st, ShardedTensor) or st.flattened_range is not None:
-                raise ValueError(f"{name}: a piece that is not a plain slice of its global tensor ({type(st).__name__})")
+        for st in pieces_of(name, entry):
             yield name, st
 
 
