@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.chat_checks import image_count, supervised_runs
+
 from data.chat import encode_conversation, special_token_ids
 from data.tiny_tokenizer import build_tiny_tokenizer
 
@@ -83,31 +85,15 @@ SUPERVISED = {
 }
 
 
-def _runs(tok, seq, mask) -> list[str]:
-    """Decode each contiguous run of supervised labels (seq[t + 1] where mask[t] == 1)."""
-    runs, cur = [], []
-    for t, m in enumerate(mask):
-        if m:
-            cur.append(seq[t + 1])
-        elif cur:
-            runs.append(cur)
-            cur = []
-    return [tok.decode(r, skip_special_tokens=False) for r in runs + ([cur] if cur else [])]
-
-
-def _n_images(msgs) -> int:
-    return sum(isinstance(m["content"], list) and sum(p.get("type") == "image" for p in m["content"]) for m in msgs)
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_ids_equal_qwen35_apply_chat_template(tok, ids, case):
     msgs = CASES[case]
     want = tok.apply_chat_template(msgs, tokenize=True, return_dict=False)
     want = want["input_ids"] if isinstance(want, dict) else list(want)
-    got, mask = encode_conversation(tok, msgs, [1] * _n_images(msgs), ids)
+    got, mask = encode_conversation(tok, msgs, [1] * image_count(msgs), ids)
     assert got == want
     assert len(mask) == len(got) and mask[-1] == 0.0
-    assert _runs(tok, got, mask) == SUPERVISED[case]
+    assert supervised_runs(tok, got, mask) == SUPERVISED[case]
 
 
 def test_final_turn_has_the_empty_think_block_as_prompt(tok, ids):
@@ -159,4 +145,4 @@ def test_tiny_tokenizer_template_renders_like_qwen35(tmp_path):
 ])
 def test_malformed_conversations_raise(tok, ids, msgs, match):
     with pytest.raises(ValueError, match=match):
-        encode_conversation(tok, msgs, [1] * _n_images(msgs), ids)
+        encode_conversation(tok, msgs, [1] * image_count(msgs), ids)

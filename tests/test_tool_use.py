@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.chat_checks import image_count, supervised_runs
+
 from data.chat import encode_conversation, special_token_ids
 from data.tiny_tokenizer import build_tiny_tokenizer
 
@@ -128,21 +130,6 @@ def tok(request, tmp_path_factory):
     return tok
 
 
-def _runs(tok, seq, mask) -> list[str]:
-    runs, cur = [], []
-    for t, m in enumerate(mask):
-        if m:
-            cur.append(seq[t + 1])
-        elif cur:
-            runs.append(cur)
-            cur = []
-    return [tok.decode(r, skip_special_tokens=False) for r in runs + ([cur] if cur else [])]
-
-
-def _n_images(msgs) -> int:
-    return sum(isinstance(m.get("content"), list) and sum(p.get("type") == "image" for p in m["content"]) for m in msgs)
-
-
 def _template_ids(tok, msgs, tools) -> list[int]:
     out = tok.apply_chat_template(msgs, tools=tools, tokenize=True, return_dict=False)
     return out["input_ids"] if isinstance(out, dict) else list(out)
@@ -151,9 +138,9 @@ def _template_ids(tok, msgs, tools) -> list[int]:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_tool_use_equals_qwen35_template(tok, case):
     msgs = CASES[case]
-    got, mask = encode_conversation(tok, msgs, [1] * _n_images(msgs), special_token_ids(tok), tools=TOOLS)
+    got, mask = encode_conversation(tok, msgs, [1] * image_count(msgs), special_token_ids(tok), tools=TOOLS)
     assert got == _template_ids(tok, msgs, TOOLS)
-    assert _runs(tok, got, mask) == SUPERVISED[case]
+    assert supervised_runs(tok, got, mask) == SUPERVISED[case]
     text = tok.decode(got, skip_special_tokens=False)
     assert text.startswith("<|im_start|>system\n# Tools\n") and text.count("<tool_response>") == sum(
         m["role"] == "tool" for m in msgs)
