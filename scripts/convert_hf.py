@@ -127,7 +127,7 @@ def _write_peft_adapter(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], 
     modules) + adapter_model.safetensors (``base_model.model.<module>.lora_A/B.weight``, fp32)."""
     import re
 
-    from safetensors.torch import save_file
+    from core.safetensors_io import write_shard
 
     tensors = {}
     for module, (a, b) in adapters.items():
@@ -138,7 +138,7 @@ def _write_peft_adapter(adapters: dict[str, tuple[torch.Tensor, torch.Tensor]], 
               "use_rslora": False, "init_lora_weights": True, "inference_mode": True, "modules_to_save": None,
               "target_modules": "^(?:" + "|".join(re.escape(k) for k in sorted(adapters)) + ")$"}
     outd.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(outd / "adapter_model.safetensors"), metadata={"format": "pt"})
+    write_shard(outd / "adapter_model.safetensors", tensors)
     (outd / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return outd
 
@@ -159,8 +159,6 @@ def _source_folder(path: Path) -> SafetensorsFolder | None:
 def _export_in_memory(path: Path, m, hf, out: str, recipe: str | None, target, merge_lora: bool,
                       adapter_only: bool) -> Path:
     """LoRA exports: the model with its adapters, in one process (LoRA runs fit one host)."""
-    from safetensors.torch import save_file
-
     from core.safetensors_io import write_shard
     from models.common.lora import merged_state_dict
     from multimodal import checkpointing
@@ -179,7 +177,6 @@ def _export_in_memory(path: Path, m, hf, out: str, recipe: str | None, target, m
         weights.pop("lm_head.weight", None)
     outd = Path(out)
     outd.mkdir(parents=True, exist_ok=True)
-    del save_file
     write_shard(outd / "model.safetensors", weights)
     return outd
 

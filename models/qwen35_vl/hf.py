@@ -349,16 +349,15 @@ def lora_to_hf(ours: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, tuple
 
 
 def load_hf_state_dict(hf_dir: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of a safetensors checkpoint, single file or sharded with an index."""
-    from safetensors.torch import load_file
+    """All tensors of a safetensors checkpoint, single file or sharded with an index, in memory
+    (small models, the parity tools; conversion streams through ``SafetensorsFolder`` instead)."""
+    from core.safetensors_io import SafetensorsFolder
 
-    d = Path(hf_dir)
-    index = d / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        state.update(load_file(str(d / f)))
-    return state
+    folder = SafetensorsFolder(hf_dir)
+    try:
+        return {name: folder.get(name) for name in folder.names}
+    finally:
+        folder.close()
 
 
 def hf_config_from_ours(m: ModelConfig) -> dict:
