@@ -187,8 +187,13 @@ class Progress:
 
 
 def unmapped(hf_names: list[str], sources: dict) -> list[str]:
-    used = {n for src in sources.values() for n in src.hf}
-    return sorted(set(hf_names) - used)
+    """The checkpoint's tensors no tensor of ours is made of."""
+    return sorted(set(hf_names) - {n for src in sources.values() for n in src.hf})
+
+
+def absent(hf_names: list[str], sources: dict) -> list[str]:
+    """The HF tensors the model needs that the checkpoint does not hold."""
+    return sorted({n for src in sources.values() for n in src.hf} - set(hf_names))
 
 
 def import_hf(hf_dir: str | Path, out: str | Path, adapter, family, workers: int = 1) -> tuple[Path, dict]:
@@ -202,14 +207,13 @@ def import_hf(hf_dir: str | Path, out: str | Path, adapter, family, workers: int
 
     folder = SafetensorsFolder(hf_dir)
     m = adapter.model_config_from_hf(hf_dir)
-    fused = any(n.endswith("mlp.experts.gate_up_proj") for n in folder.names)
-    sources = adapter.hf_sources(m, fused)
+    sources = adapter.hf_sources(m, folder.names)
     extra = unmapped(folder.names, sources)
     if extra:
         raise ValueError(f"{hf_dir}: {len(extra)} tensor(s) map to nothing in the model its config.json "
                          f"describes, e.g. {extra[0]}; check config.json against the weights (nothing is "
                          "dropped in silence)")
-    missing = sorted({n for src in sources.values() for n in src.hf} - set(folder.names))
+    missing = absent(folder.names, sources)
     if missing:
         raise ValueError(f"{hf_dir}: config.json needs {len(missing)} tensor(s) the checkpoint lacks, e.g. {missing[0]}")
     model = meta_model(m, family)
@@ -532,9 +536,8 @@ def load_hf_weights(model, hf_dir: str | Path, m, adapter, plan: ReferencePlan) 
     from models.common.lora import is_adapter_param
 
     folder = SafetensorsFolder(hf_dir)
-    fused = any(n.endswith("mlp.experts.gate_up_proj") for n in folder.names)
-    sources = adapter.hf_sources(m, fused)
-    missing = sorted({n for src in sources.values() for n in src.hf} - set(folder.names))
+    sources = adapter.hf_sources(m, folder.names)
+    missing = absent(folder.names, sources)
     if missing:
         hint = ("; set model.mtp_num_layers=0 to train without an MTP head" if missing[0].startswith("mtp.")
                 else "; does config.json describe these weights?")

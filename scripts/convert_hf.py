@@ -247,19 +247,19 @@ def do_export(ckpt: str, out: str, recipe: str | None, dtype: str, merge_lora: b
         if copied:
             log.info("copied %s from %s", ", ".join(copied), source.path)
     if stats is not None:
-        _check_nothing_dropped(outd, source, drop_mtp)
+        _check_nothing_dropped(outd, source, drop_mtp, hf)
         log.info("exported %d tensors in %d shard(s), %.2f GB in %.1f s (%.2f GB/s) -> %s", stats["tensors"],
                  stats["shards"], stats["bytes"] / 1e9, stats["seconds"], stats["gb_per_s"], outd)
     return outd
 
 
-def _check_nothing_dropped(outd: Path, source: SafetensorsFolder | None, drop_mtp: bool) -> None:
+def _check_nothing_dropped(outd: Path, source: SafetensorsFolder | None, drop_mtp: bool, hf) -> None:
     """Every tensor of the source checkpoint is in the export (the same names, or transformers'
     fused expert names for the same weights)."""
     if source is None:
         return
     written = set(SafetensorsFolder(outd).names)
-    fused = any(n.endswith("mlp.experts.gate_up_proj") for n in source.names)
+    fused = hf.fused_experts(source.names)
     lost = [n for n in source.names if n not in written and not (drop_mtp and n.startswith("mtp."))
             and not (fused and ".mlp.experts." in n)]
     if lost:

@@ -222,8 +222,16 @@ def _mtp_sources(m: ModelConfig, fused_experts: bool) -> dict[str, Source]:
     return out
 
 
-def hf_sources(m: ModelConfig, fused_experts: bool = False) -> dict[str, Source]:
-    """Every tensor of our full (TP=1) model and the HF tensors it is made of, unit by unit."""
+def fused_experts(hf_names) -> bool:
+    """Whether a checkpoint stores its experts in transformers' fused layout (``experts.gate_up_proj``)
+    rather than per expert, as the releases do."""
+    return any(n.endswith("mlp.experts.gate_up_proj") for n in hf_names)
+
+
+def hf_sources(m: ModelConfig, hf_names=None) -> dict[str, Source]:
+    """Every tensor of our full (TP=1) model and the HF tensors it is made of, unit by unit.
+    ``hf_names``: the tensors of the checkpoint read (its expert layout); None: the releases' layout."""
+    fused = hf_names is not None and fused_experts(hf_names)
     if mtp_layers(m) > 1:
         raise ValueError(f"model.mtp_num_layers={mtp_layers(m)}: Qwen3.5 checkpoints hold one MTP layer's "
                          "shared fc and norms; set model.mtp_num_layers to 0 or 1")
@@ -234,8 +242,8 @@ def hf_sources(m: ModelConfig, fused_experts: bool = False) -> dict[str, Source]
         out["language_model.output_layer.weight"] = Source("copy", ("lm_head.weight",), "embed")
     for i in range(m.num_layers):
         out.update(_layer_sources(f"language_model.decoder.layers.{i}", f"{HF_PREFIX}layers.{i}",
-                                  m.is_full_attention(i), m, f"layer.{i}", fused_experts))
-    out.update(_mtp_sources(m, fused_experts))
+                                  m.is_full_attention(i), m, f"layer.{i}", fused))
+    out.update(_mtp_sources(m, fused))
     for ours, hf_name in _vision_pairs(m):
         out[f"vision_model.{ours}"] = Source("copy", (HF_VISION + hf_name,), "vision")
     out["vision_model.patch_embed.weight"] = Source("patch", (HF_VISION + "patch_embed.proj.weight",), "vision")
@@ -321,8 +329,7 @@ def hf_to_ours(hf: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.T
         except KeyError:
             raise KeyError(f"HF checkpoint lacks {name}") from None
 
-    fused = any(k.endswith("mlp.experts.gate_up_proj") for k in hf)
-    return {ours: build_from_hf(src, get, m) for ours, src in hf_sources(m, fused).items()}
+    return {ours: build_from_hf(src, get, m) for ours, src in hf_sources(m, hf).items()}
 
 
 def ours_to_hf(ours: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:

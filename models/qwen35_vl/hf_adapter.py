@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from models.qwen35_vl.hf import (
     build_from_hf,
+    fused_experts,
     hf_config_from_ours,
     hf_sources,
     hf_to_ours,
@@ -20,6 +21,7 @@ from models.qwen35_vl.parity import HF_MODELING_MODULES, load_full_state_dict, r
 __all__ = [
     "HF_MODELING_MODULES",
     "build_from_hf",
+    "fused_experts",
     "hf_sources",
     "split_to_hf",
     "hf_config_from_ours",
