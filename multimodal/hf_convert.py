@@ -203,7 +203,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, adapter, family, workers: int
     from torch.distributed.checkpoint import save as dcp_save
     from torch.distributed.checkpoint.planner import WriteItemType
 
-    from multimodal import checkpoint_checks as checks
+    from multimodal import checkpointing
 
     folder = SafetensorsFolder(hf_dir)
     m = adapter.model_config_from_hf(hf_dir)
@@ -251,32 +251,26 @@ def import_hf(hf_dir: str | Path, out: str | Path, adapter, family, workers: int
     tmp.mkdir(parents=True)
     # a file per chunk: torch's writer keeps every tensor of a file until the file is closed
     writer = FileSystemWriter(str(tmp), single_file_per_rank=False, thread_count=max(1, workers), sync_files=False)
-    dcp_save({}, storage_writer=writer, planner=_StreamingPlanner(_write_items(chunks, objects, dtype_of), produce),
-             no_dist=True)
-    save_config(CheckpointingConfig("torch_dist"), str(tmp))
+    try:
+        dcp_save({}, storage_writer=writer, planner=_StreamingPlanner(_write_items(chunks, objects, dtype_of), produce),
+                 no_dist=True)
+        save_config(CheckpointingConfig("torch_dist"), str(tmp))
+    except BaseException as e:  # a full disk: one line, the partial files removed (as a training save)
+        error = checkpointing.disk_full_or(e, root, tmp, total)
+        if error is e:
+            raise
+        raise error from e
     seconds, rate = progress.close()
     dtypes = sorted({str(dtype_of(c)).replace("torch.", "") for c in chunks})
     meta = {MODEL_CONFIG_FILE: json.dumps(dataclasses.asdict(m), indent=1),
             HF_CONFIG_FILE: (Path(hf_dir) / "config.json").read_text()}
     trainer = {"iteration": 0, "weights_only": True, "source": str(hf_dir), "hf_dtype": dtypes[0]}
-    _commit(root, tmp, final, meta, trainer, checks)
-    return final, {"bytes": progress.done, "seconds": seconds, "gb_per_s": rate, "tensors": len(folder.names)}
-
-
-def _commit(root: Path, tmp: Path, final: Path, meta: dict[str, str], trainer: dict, checks) -> None:
-    """checkpointing.py's order: metadata, manifest, trainer_state.json last, rename, ``latest``."""
-    for name, text in meta.items():
-        (tmp / name).write_text(text)
-    checks.write_manifest(tmp)
-    (tmp / "trainer_state.json").write_text(json.dumps(trainer))
-    for f in tmp.rglob("*"):
+    # the training checkpoints' protocol: metadata, manifest, trainer_state.json last, rename, latest
+    checkpointing._commit(root, tmp, final, trainer, meta, keep_last=0, need=total)
+    for f in final.rglob("*"):
         if f.is_file():
             os.chmod(f, 0o644)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    (root / "latest.tmp").write_text(final.name)
-    os.replace(root / "latest.tmp", root / "latest")
+    return final, {"bytes": progress.done, "seconds": seconds, "gb_per_s": rate, "tensors": len(folder.names)}
 
 
 # ------------------------------------------------------------------------------------------ export
