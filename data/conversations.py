@@ -129,7 +129,7 @@ class ConversationsDataset(torch.utils.data.Dataset):
         try:
             self.records = open_records(path)
         except RecordSourceError as e:
-            raise ValueError(f"data.path={data_cfg.path!r}: {e}") from None
+            raise RecordSourceError(f"data.path={data_cfg.path!r}: {e}") from None
         self.path = path
         self.image_root = Path(data_cfg.image_root) if data_cfg.image_root else path if path.is_dir() else path.parent
         self.system_prompt = data_cfg.system_prompt

@@ -25,11 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
+from core.errors import DataError
 from data.cord_v2 import SkipSample
 
 
-class RecordSourceError(ValueError):
-    """The path holds no records this module can read; the message names the fix."""
+class RecordSourceError(DataError, ValueError):
+    """The path holds no records this module can read; the message names the fix (one line, exit code 2)."""
 
 
 def line_offsets(path: Path) -> np.ndarray:
@@ -74,7 +75,15 @@ class JsonlRecords:
 
 class JsonListRecords:
     def __init__(self, path: Path):
-        self.records = json.loads(path.read_text())
+        raw = path.read_bytes()
+        try:
+            self.records = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as e:  # one file is one unit here: it cannot be skipped row by row
+            raise RecordSourceError(f"{path} is not UTF-8 (byte {raw[e.start]:#04x} at offset {e.start}); re-save it "
+                                    "as UTF-8, or as JSONL, where a bad line is skipped and counted") from None
+        except json.JSONDecodeError as e:
+            raise RecordSourceError(f"{path} is not valid JSON ({e}); fix it, or write JSONL, where a bad line is "
+                                    "skipped and counted") from None
         if not isinstance(self.records, list):
             raise RecordSourceError(f"{path} must hold a JSON list of records (or use a .jsonl file, one record a line)")
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from core.errors import TrainingError
 from data.inspect_rows import decoder, print_samples
 from data.loader import build_dataset
 from multimodal.config import ConfigError, load_config, resolve_sources, validate
@@ -36,8 +37,12 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    ds = build_dataset(cfg.model, cfg.data, cfg.train.seq_length)
-    print_samples(ds, decoder(cfg.model, cfg.data), cfg.model.vision_token_ids, args.num, args.start, args.json)
+    try:
+        ds = build_dataset(cfg.model, cfg.data, cfg.train.seq_length)
+        print_samples(ds, decoder(cfg.model, cfg.data), cfg.model.vision_token_ids, args.num, args.start, args.json)
+    except TrainingError as e:  # files it cannot read at all: one line, as in training
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
     return 0
 
 

@@ -166,3 +166,20 @@ def test_cord_data_path_that_does_not_exist_is_refused_before_the_model_is_built
     assert err[-1] == (f"error: data.path='{tmp_path / 'no_such'}' does not exist (data.name=cord_v2 reads a folder "
                        "of parquet files, e.g. scripts/make_synthetic_cord.py's output); point data.path at it"), err
     assert not (tmp_path / "log").exists()  # refused before any run
+
+
+@pytest.mark.parametrize("body, problem", [(b'[{"messages": "caf\xe9"}]', "is not UTF-8 (byte 0xe9 at offset 18)"),
+                                           (b'[{"messages": ', "is not valid JSON")])
+def test_a_json_list_file_that_cannot_be_read_is_one_line_naming_the_file(tmp_path, made, capsys, body, problem):
+    """A .json list is parsed whole, so a bad byte cannot be skipped as a row: the file is refused in
+    one line (inspect_data printed a UnicodeDecodeError traceback before)."""
+    from multimodal.inspect_data import main as inspect_main
+
+    path = tmp_path / "d.json"
+    path.write_bytes(body)
+    rc = inspect_main(["--config", "configs/qwen35_vl_proxy_cord.yaml", "--num", "1",
+                       "data.name=conversations", f"data.path={path}", f"data.tokenizer={made[0] / 'tok'}"])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: data.path='{path}': {path} {problem}"), err
+    assert "JSONL" in err[-1]
