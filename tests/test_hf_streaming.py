@@ -144,3 +144,37 @@ def test_conversion_memory_does_not_grow_with_depth(tmp_path, mcore):
     for phase in ("import_peak_bytes", "export_peak_bytes"):
         growth = peaks[6][phase] - peaks[2][phase]
         assert growth < layer_share, (phase, growth, layer_share, peaks)
+
+
+def test_transformers_fused_expert_layout_imports_and_exports_as_the_per_expert_one(tmp_path, mcore):
+    """A folder written from transformers' in-memory MoE (``experts.gate_up_proj`` [E, 2F, H],
+    ``experts.down_proj`` [E, H, F], the layout its own state_dict holds) gives the same weights as
+    the released per-expert layout, and export writes the released layout (the one vLLM and SGLang read)."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForImageTextToText
+
+    from multimodal import checkpointing
+    from scripts import convert_hf
+
+    per_expert = make_hf_checkpoint(tmp_path / "hf", moe=True, layers=4, tied=False)
+    fused = tmp_path / "fused"
+    fused.mkdir()
+    shutil.copy(per_expert / "config.json", fused / "config.json")
+    state = AutoModelForImageTextToText.from_pretrained(str(per_expert), dtype="auto").state_dict()
+    assert any(k.endswith("mlp.experts.gate_up_proj") for k in state)  # transformers' own layout, not ours
+    save_file({k: v.contiguous() for k, v in state.items()}, str(fused / "model.safetensors"))
+
+    weights = {}
+    for name, folder in (("per_expert", per_expert), ("fused", fused)):
+        ckpt = convert_hf.do_import(str(folder), str(tmp_path / f"ckpt_{name}"), 1, 1, 1)
+        model = convert_hf._build(convert_hf.model_config_of_checkpoint(ckpt, None))
+        checkpointing.load_weights(ckpt, model)
+        weights[name] = model.state_dict()
+    assert sorted(weights["fused"]) == sorted(weights["per_expert"])
+    for k, v in weights["per_expert"].items():
+        if torch.is_tensor(v):
+            assert torch.equal(weights["fused"][k], v), k
+    out = convert_hf.do_export(str(tmp_path / "ckpt_fused"), str(tmp_path / "out"), None, "auto")
+    _same(_all(per_expert), _all(out))
