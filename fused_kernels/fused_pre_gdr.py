@@ -100,8 +100,8 @@ if triton is not None:
     def _configs(*choices):
         """(BLOCK_T, num_warps) pairs; the first is the only one when autotuning is off. Chosen from
         the H200 launch-config sweep (docs/kernels.md, Fused Triton kernels; raw results in
-        docs/benchmarks/kernels_pre_gdr_launch_configs_2b_9b_8k_h200_2026-12-01.json): small token
-        blocks with few warps won for every kernel, and the backward's per-program dw partials
+        docs/benchmarks/2026-12-01/kernels_pre_gdr_launch_configs_2b_9b_8k_h200_2026-12-01.json):
+        small token blocks with few warps won for every kernel, and the backward's per-program dw partials
         (4 x BLOCK_T x BLOCK_C fp32) spill registers beyond BLOCK_T 16. That sweep ran while each
         program still searched cu_seqlens itself (latency-bound); larger blocks are candidates
         again since the bounds come from a table."""
