@@ -124,10 +124,11 @@ def _call_without_nulls(call):
 class ConversationsDataset(torch.utils.data.Dataset):
     """JSON/JSONL conversation records -> ``MockDataset``-format samples (or ``None`` when skipped)."""
 
-    def __init__(self, model_cfg, data_cfg, seq_length: int, tokenizer):
+    def __init__(self, model_cfg, data_cfg, seq_length: int, tokenizer, records=None):
+        """``records``: any sized, indexable source of records (data/energon.py's shards); None: data.path's."""
         path = Path(data_cfg.path or "")
         try:
-            self.records = open_records(path)
+            self.records = open_records(path) if records is None else records
         except RecordSourceError as e:
             raise RecordSourceError(f"data.path={data_cfg.path!r}: {e}") from None
         self.path = path

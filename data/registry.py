@@ -39,10 +39,18 @@ def _conversations(model_cfg, data_cfg, seq_length: int):
     return ConversationsDataset(model_cfg, data_cfg, seq_length, load_tokenizer(data_cfg))
 
 
+def _energon(model_cfg, data_cfg, seq_length: int):
+    """A Megatron-Energon prepared folder (data/energon.py), read as conversations with data.tokenizer."""
+    from data.energon import EnergonDataset
+
+    return EnergonDataset(model_cfg, data_cfg, seq_length, load_tokenizer(data_cfg))
+
+
 DATASET_REGISTRY: dict[str, Callable] = {
     "mock": _mock,
     "cord_v2": _cord_v2,
     "conversations": _conversations,
+    "energon": _energon,
 }
 
 

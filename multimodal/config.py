@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from core.errors import ConfigError  # noqa: F401 - re-exported: callers import it from here
+from data.energon_config import EnergonConfig
 from data.registry import check_dataset_name
 # the model and parallel sections live below the trainer, beside the model builder that reads them;
 # the model section's class is the one of the family model.name names (models.MODEL_REGISTRY)
@@ -90,6 +91,7 @@ class DataConfig:
     # data.seed + 1 (valid_path must stay null)
     valid_path: str | None = None
     valid_split: str = "validation"
+    energon: EnergonConfig = field(default_factory=EnergonConfig)  # data.name=energon (data/energon.py)
 
 
 @dataclass
