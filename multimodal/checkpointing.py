@@ -248,7 +248,7 @@ def save(ckpt_dir: str, iteration: int, model, optimizer, scheduler, data_state:
     # the newest checkpoint marked so
     t0 = time.perf_counter()
     trainer = {"iteration": iteration, "scheduler": scheduler.state_dict(), "world_size": dist.get_world_size(),
-               "finite": True, **_data_parallel_map(), **(extra or {})}
+               "finite": True, **_data_parallel_map(), **_data_frontier(data_state), **(extra or {})}
     sharded = _sharded_state(model, optimizer, is_loading=False)
     t1 = time.perf_counter()
     final = _write(Path(ckpt_dir), iteration, sharded, trainer, meta_files, {"rng": _rng_state(), "data": data_state},
@@ -269,6 +269,19 @@ def _data_parallel_map() -> dict:
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, ps.get_data_parallel_rank())
     return {"data_parallel_size": ps.get_data_parallel_world_size(), "data_parallel_ranks": ranks}
+
+
+def _data_frontier(data_state: dict | None) -> dict:
+    """The smallest sample index any data-parallel rank has not consumed yet (read-ahead samples
+    count as unread) and the largest next index (one small all-gather at save time): a resume at
+    another data-parallel size continues the data order from the first, re-reading at most the
+    samples between the two instead of restarting from sample 0."""
+    if not dist.is_initialized() or not data_state or "next_index" not in data_state:
+        return {}
+    own = [int(data_state["next_index"]), min([int(data_state["next_index"]), *map(int, data_state.get("pending", []))])]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, own)
+    return {"data_frontier": min(u for _, u in every), "data_next_max": max(n for n, _ in every)}
 
 
 def _rank_file_for(path: Path, trainer: dict) -> tuple[Path | None, bool]:
@@ -654,6 +667,13 @@ def load(path: Path, model, optimizer, scheduler, model_config: dict | None = No
                      "data position and RNG continue from %s", rank_file.name)
         _set_rng_state(rng)
         data_state = rank_state["data"]
+    elif "data_frontier" in trainer:
+        frontier, dp = int(trainer["data_frontier"]), ps.get_data_parallel_world_size()
+        data_state = {"next_index": frontier + ps.get_data_parallel_rank(), "pending": []}
+        log.warning("checkpoint was written at data-parallel size %s, this run has %d: the data order continues "
+                    "from sample %d (up to %d samples the old ranks had read past it are read again); RNG "
+                    "restarts per rank", trainer.get("data_parallel_size"), dp, frontier,
+                    int(trainer["data_next_max"]) - frontier)
     else:
         log.warning("checkpoint was written with another data-parallel size: RNG and data position restart "
                     "per rank")

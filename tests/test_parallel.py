@@ -176,7 +176,8 @@ def test_dp2_distributed_optimizer_matches_dp1_and_resumes(tmp_path, dense_dp1_r
     """megatron's distributed optimizer at DP=2 against one process, then a resume from its step-2
     checkpoint reproduces steps 3-4 exactly. The checkpoint uses the "dp_reshardable" layout (the
     default one fails in megatron-core 0.19's own checkpointing), and the resume restores the AdamW
-    step, which megatron's load leaves wrong without TransformerEngine/Apex.
+    step, which megatron's load leaves wrong without TransformerEngine/Apex. In one process the
+    same checkpoint continues the data order (the samples of the one-process run's steps 3-4).
 
     optimizer.flat=true (its PyTorch reference here): each rank updates its shard of the gradient
     buffer (main params and moments packed densely) and writes the model params into the buffer
@@ -192,6 +193,12 @@ def test_dp2_distributed_optimizer_matches_dp1_and_resumes(tmp_path, dense_dp1_r
         assert resumed[step]["loss"] == full[step]["loss"], step
         assert resumed[step]["grad_norm"] == full[step]["grad_norm"], step
 
+    if flat_adamw == "false":  # the same checkpoint in one process: the data order continues, not from sample 0
+        one = _run(tmp_path / "dp1", DENSE, *ONE_PER_ROW, *opts, f"checkpoint.load={tmp_path / 'ck' / 'iter_0000002'}",
+                   "checkpoint.dir=null")
+        assert sorted(one) == [3, 4]
+        for step in (3, 4):
+            assert one[step]["loss"] == pytest.approx(dense_dp1_ref[step]["loss"], abs=LOSS_TOL), step
 
 @pytest.mark.slow
 def test_dp2_overlapped_grad_reduce_with_wgrad_fusion_matches_dp1(tmp_path, dense_dp1_ref):
