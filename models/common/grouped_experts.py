@@ -9,6 +9,7 @@ counts on the host. ``GroupedExperts`` is a drop-in for either inside megatron's
 - forward: ``fc1 = x @ W1[e]^T`` for each expert's rows, ``act = silu(gate) * up * prob`` (one
   Triton kernel per direction, fused_kernels/fused_swiglu.py), ``out = act @ W2[e]^T``; both GEMMs are
   one grouped GEMM each (fused_kernels/grouped_gemm.py) whose group offsets stay on the device;
+  under ``train.fp8`` the same GEMMs with FP8 operands (models/common/fp8.py ``grouped_mm``);
 - backward written out (``_ExpertMLP``): the same four grouped GEMMs autograd would run, so the
   ``moe_act`` recompute (keep fc1's output, regenerate ``act`` in backward) gives the same bits;
 - checkpoints: ``sharded_state_dict`` writes the keys and global shapes SequentialMLP writes
@@ -60,11 +61,12 @@ class _ExpertMLP(torch.autograd.Function):
     """fc1 -> weighted SwiGLU -> fc2 over groups of rows; ``recompute`` keeps fc1's output only."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, probs, offs, recompute: bool):
-        fc1 = grouped_mm(x, w1.mT, offs)  # [N, 2F]
+    def forward(ctx, x, w1, w2, probs, offs, recompute: bool, gemm):
+        fc1 = gemm(x, w1.mT, offs)  # [N, 2F]
         act = _act_forward(fc1, probs)  # [N, F]
-        out = grouped_mm(act, w2.mT, offs)  # [N, H]
+        out = gemm(act, w2.mT, offs)  # [N, H]
         ctx.save_for_backward(x, w1, w2, probs, offs, fc1, None if recompute else act)
+        ctx.gemm = gemm
         return out
 
     @staticmethod
@@ -73,14 +75,15 @@ class _ExpertMLP(torch.autograd.Function):
         if act is None:  # moe_act recompute: the same kernel on the same input, same bits
             act = _act_forward(fc1, probs)
         g = g.contiguous()
-        d_act = grouped_mm(g, w2, offs)  # [N, F]
+        gemm = ctx.gemm
+        d_act = gemm(g, w2, offs)  # [N, F]
         # frozen experts (model.freeze, LoRA): no weight gradient is computed at all
-        dw2 = _into_main_grad(w2, grouped_mm(g.mT, act, offs)) if ctx.needs_input_grad[2] else None  # [E, H, F]
+        dw2 = _into_main_grad(w2, gemm(g.mT, act, offs)) if ctx.needs_input_grad[2] else None  # [E, H, F]
         del act
         d_fc1, d_probs = _act_backward(d_act, fc1, probs)
-        dx = grouped_mm(d_fc1, w1, offs)  # [N, H]
-        dw1 = _into_main_grad(w1, grouped_mm(d_fc1.mT, x, offs)) if ctx.needs_input_grad[1] else None  # [E, 2F, H]
-        return dx, dw1, dw2, d_probs, None, None
+        dx = gemm(d_fc1, w1, offs)  # [N, H]
+        dw1 = _into_main_grad(w1, gemm(d_fc1.mT, x, offs)) if ctx.needs_input_grad[1] else None  # [E, 2F, H]
+        return dx, dw1, dw2, d_probs, None, None, None
 
 
 def _into_main_grad(weight: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -121,6 +124,8 @@ class GroupedExperts(MegatronModule):
         self.tp_group = pg_collection.expt_tp
         self.dp_group = pg_collection.expt_dp
         self.recompute_act = False  # train.recompute_modules: [moe_act]
+        # train.fp8: models/common/fp8.py sets its FP8 grouped GEMM here, used for all four GEMMs
+        self.fp8_gemm = None
         etp = self.tp_group.size()
         f, h = config.moe_ffn_hidden_size, config.hidden_size
         if f % etp:
@@ -165,8 +170,9 @@ class GroupedExperts(MegatronModule):
             tokens_per_expert = tokens_per_expert.to(permuted_hidden.device, non_blocking=True)
         offs = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
         probs = permuted_probs.reshape(-1).contiguous()
+        gemm = self.fp8_gemm or grouped_mm
         out = _ExpertMLP.apply(permuted_hidden.contiguous(), self.linear_fc1.weight, self.linear_fc2.weight,
-                               probs, offs, self.recompute_act and torch.is_grad_enabled())
+                               probs, offs, self.recompute_act and torch.is_grad_enabled(), gemm)
         return out, None
 
     def backward_dw(self):

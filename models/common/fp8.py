@@ -1,0 +1,252 @@
+"""FP8 training (``train.fp8``): the decoder's linear layers and routed experts run their GEMMs in FP8.
+
+Where it goes in: megatron's Column/RowParallelLinear compute through ``self._forward_impl``
+(the GEMM, the sequence-parallel gather, the input-gradient reduction, the fused accumulation
+into ``main_grad``). ``convert`` replaces that one method on each chosen layer with
+``_Fp8Linear``, which does the same work with FP8 GEMMs (models/common/fp8_gemm.py), so the
+layer's parameters, checkpoint keys, LoRA hook, TP/SP communication, DDP buckets and the
+distributed optimizer are untouched: master weights, optimizer state, checkpoints and HF export
+stay bf16/fp32; only the GEMMs' operands are cast, on the fly, each step. The routed experts
+(models/common/grouped_experts.py) take ``grouped_mm`` from here instead of the bf16 one.
+
+What stays in high precision: layers matched by ``train.fp8_exclude`` (fnmatch patterns on
+module names), layers whose widths are not multiples of 16 (torch's FP8 GEMMs need that), and
+the output rows of a megatron GatedDeltaNet's ``in_proj`` that feed beta and alpha (named
+``<gdn>.in_proj_ba``: 2 x heads rows that drive the decay, where ms-swift keeps bf16 too),
+which are computed beside the FP8 rows from the same input.
+
+Backward casts, per recipe (models/common/fp8_gemm.py): the input gradient is
+``grad_out @ W`` with grad_out in the recipe's gradient type; the weight gradient is
+``grad_out^T @ x``, both scaled along the tokens under ``rowwise``, and is added straight into
+``main_grad`` in fp32 when megatron's accumulation fusion is on (``added_to_main_grad``).
+Saved for backward: the bf16 input (the local shard under sequence parallelism, gathered again
+as megatron does) and the weight itself, as in bf16: FP8 adds no saved activations, only
+transient casts (``transient_bytes``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from megatron.core.tensor_parallel import layers
+
+from fused_kernels.wgrad_accum import added_to_main_grad
+from models.common import fp8_gemm
+from models.common.fp8_gemm import E4M3, EXPERTS, RECIPES, Recipe
+
+log = logging.getLogger(__name__)
+
+DEFAULT_EXCLUDE = ("vision_model.*", "*.router", "*output_layer", "*embedding*", "*.in_proj_ba")
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """One converted linear: its recipe, how TP splits it, and its high-precision tail rows."""
+
+    recipe: Recipe
+    split: str  # "out" (column parallel: weight rows split) | "in" (row parallel: columns split)
+    tp_group: object
+    hp_rows: int  # trailing output rows kept in high precision (GDN's beta / alpha)
+
+    def group(self, split_here: bool):
+        return self.tp_group if split_here and self.tp_group is not None and self.tp_group.size() > 1 else None
+
+
+def _gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    out = x.new_empty((x.shape[0] * group.size(), *x.shape[1:]))
+    layers.dist_all_gather_func(out, x.contiguous(), group=group)
+    return out
+
+
+class _Fp8Linear(torch.autograd.Function):
+    """megatron's linear GEMM (``linear_with_grad_accumulation_and_async_allreduce`` /
+    ``linear_with_frozen_weight``) with FP8 operands; communication done synchronously."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, spec: _Spec, accumulate: bool, allreduce_dgrad: bool, sequence_parallel: bool,
+                tp_group):
+        total = _gather_sequence(x, tp_group) if sequence_parallel else x
+        x2 = total.reshape(-1, total.shape[-1])
+        r, head = spec.recipe, weight.shape[0] - spec.hp_rows
+        row_parallel = spec.split == "in"
+        # the input's contraction dim (features) is split under row parallelism
+        xq = fp8_gemm.quantize(x2, r.dim(-1), E4M3, r.pow2_scales, spec.group(row_parallel))
+        # a tensorwise weight scale spans every shard; a rowwise one runs along the input features
+        wq = fp8_gemm.quantize(weight[:head], r.dim(1), E4M3, r.pow2_scales, spec.group(not r.rowwise or row_parallel))
+        out = fp8_gemm.matmul(xq, wq.t(), x.dtype, fast_accum=True)
+        if spec.hp_rows:
+            out = torch.cat([out, x2 @ weight[head:].t().to(x2.dtype)], dim=-1)
+        out = out.view(*total.shape[:-1], weight.shape[0])
+        if bias is not None:
+            out = out + bias
+        ctx.save_for_backward(x, weight, xq.inv_scale if not r.rowwise else None,
+                              wq.inv_scale if not r.rowwise else None)
+        ctx.spec, ctx.accumulate, ctx.allreduce_dgrad = spec, accumulate, allreduce_dgrad
+        ctx.sequence_parallel, ctx.tp_group, ctx.use_bias = sequence_parallel, tp_group, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, x_inv, w_inv = ctx.saved_tensors
+        spec, r = ctx.spec, ctx.spec.recipe
+        head = weight.shape[0] - spec.hp_rows
+        column = spec.split == "out"
+        total = _gather_sequence(x, ctx.tp_group) if ctx.sequence_parallel else x
+        x2 = total.reshape(-1, total.shape[-1])
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])
+        g_head = g2[:, :head]
+        # grad_out's contraction dim here (output features) is split under column parallelism
+        gq = fp8_gemm.quantize(g_head, r.dim(-1), r.grad_dtype, r.pow2_scales, spec.group(column))
+        if r.rowwise:  # the weight along its output rows, split under column parallelism
+            wq = fp8_gemm.quantize(weight[:head], 0, E4M3, r.pow2_scales, spec.group(column))
+        else:  # the forward's scale (its amax, reduced once)
+            wq = fp8_gemm.quantize_with(weight[:head], w_inv.reciprocal(), E4M3)
+        dx = fp8_gemm.matmul(gq, wq, g2.dtype, fast_accum=False)
+        if spec.hp_rows:
+            dx = dx + g2[:, head:] @ weight[head:].to(g2.dtype)
+        dx = dx.view(*total.shape)
+
+        dw = None
+        if ctx.needs_input_grad[1]:
+            dw = _weight_grad(weight, g_head, g2[:, head:], x2, gq, x_inv, ctx.accumulate, r)
+
+        if ctx.sequence_parallel:
+            sub = dx.new_empty(x.shape)
+            layers.dist_reduce_scatter_func(sub, dx.contiguous(), group=ctx.tp_group)
+            dx = sub
+        elif ctx.allreduce_dgrad:
+            torch.distributed.all_reduce(dx, group=ctx.tp_group)
+        db = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.use_bias else None
+        return dx, dw, db, None, None, None, None, None
+
+
+def _weight_grad(weight, g_head, g_tail, x2, gq, x_inv, accumulate: bool, r: Recipe):
+    """grad_out^T @ x: FP8 for the head rows, high precision for the tail; into main_grad when fused."""
+    main = weight.main_grad if accumulate and hasattr(weight, "main_grad") else None
+    out_dtype = torch.float32 if main is not None else weight.dtype
+    if r.rowwise:  # both operands along the tokens: neither is split there
+        gtq = fp8_gemm.quantize(g_head.t(), -1, E4M3, r.pow2_scales)
+        xq = fp8_gemm.quantize(x2, 0, E4M3, r.pow2_scales)
+    else:  # the same tensor scales as the forward and the input gradient
+        gtq = gq.t()
+        xq = fp8_gemm.quantize_with(x2, x_inv.reciprocal(), E4M3)
+    dw_head = fp8_gemm.matmul(gtq, xq, out_dtype, fast_accum=False)
+    dw_tail = (g_tail.t().to(out_dtype) @ x2.to(out_dtype)) if g_tail.shape[1] else None
+    if main is None:
+        return dw_head if dw_tail is None else torch.cat([dw_head, dw_tail.to(dw_head.dtype)])
+    main[:dw_head.shape[0]].add_(dw_head)
+    if dw_tail is not None:
+        main[dw_head.shape[0]:].add_(dw_tail)
+    if hasattr(weight, "grad_added_to_main_grad"):
+        return added_to_main_grad(weight)
+    return None
+
+
+def _fp8_forward_impl(module, spec: _Spec, input, weight, bias, gradient_accumulation_fusion, allreduce_dgrad,
+                      sequence_parallel, tp_group, grad_output_buffer=None, wgrad_deferral_limit=None,
+                      gtp_remat_size=1):
+    """Stands in for megatron's ``_forward_impl`` (same arguments)."""
+    if grad_output_buffer is not None or gtp_remat_size > 1:
+        raise RuntimeError(f"train.fp8: {type(module).__name__} uses deferred weight gradients or GTP, which the FP8 "
+                           "linear does not implement; add the layer to train.fp8_exclude")
+    return _Fp8Linear.apply(input, weight, bias, spec, bool(gradient_accumulation_fusion), bool(allreduce_dgrad),
+                            bool(sequence_parallel), tp_group)
+
+
+# ----------------------------------------------------------------------------- routed experts
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """fused_kernels/grouped_gemm.grouped_mm's two forms with FP8 operands (rowwise scaling)."""
+    r = EXPERTS
+    if b.dim() == 3:  # [N, K] x [G, K, M]: a per row, b per (expert, output column), both along K
+        aq = fp8_gemm.quantize(a, -1, E4M3, r.pow2_scales)
+        bq = fp8_gemm.quantize(b, -2, E4M3, r.pow2_scales)
+        return fp8_gemm.grouped_matmul(aq, bq, offs, a.dtype)
+    # [K, N] x [N, M] -> [G, K, M]: the contraction runs over each group's tokens
+    aq = fp8_gemm.quantize_grouped_cols(a, offs, r)
+    bq = fp8_gemm.quantize_grouped_rows(b, offs, r)
+    return fp8_gemm.grouped_matmul(aq, bq, offs, a.dtype)
+
+
+# ----------------------------------------------------------------------------- conversion
+
+
+@dataclass
+class Report:
+    recipe: str
+    fp8: list[str] = field(default_factory=list)
+    excluded: list[str] = field(default_factory=list)  # by a pattern
+    unaligned: list[str] = field(default_factory=list)  # widths not multiples of 16
+    patterns: tuple[str, ...] = ()
+
+    def line(self) -> str:
+        """The one log line: what runs in FP8, what does not, and why."""
+        return (f"train.fp8={self.recipe}: {len(self.fp8)} modules in FP8 (linears and grouped experts), "
+                f"{len(self.excluded)} kept in bf16 by train.fp8_exclude {list(self.patterns)}"
+                + (f", {len(self.unaligned)} kept in bf16 as their widths are not multiples of 16 "
+                   f"({', '.join(self.unaligned[:3])}{' ...' if len(self.unaligned) > 3 else ''})"
+                   if self.unaligned else ""))
+
+
+def _excluded(name: str, patterns) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def _ba_rows(parent, name: str, patterns) -> int:
+    """The in_proj rows of a megatron GatedDeltaNet that feed beta / alpha, when excluded."""
+    extra = getattr(parent, "in_proj_extra_dim", None)
+    if extra is None or not _excluded(f"{name}_ba", patterns):
+        return 0
+    return extra // getattr(parent, "tp_size", 1)  # in_proj_extra_dim counts all TP ranks' rows
+
+
+def convert(model: torch.nn.Module, recipe: str, exclude=DEFAULT_EXCLUDE) -> Report:
+    """Put FP8 into every megatron linear and grouped-experts module of ``model`` (one chunk)
+    whose name matches no pattern of ``exclude``; returns what it did. Idempotent per module."""
+    if recipe not in RECIPES:
+        raise ValueError(f"train.fp8={recipe!r} is not a recipe; choose one of {sorted(RECIPES)} or null")
+    rec = RECIPES[recipe]
+    report = Report(recipe, patterns=tuple(exclude))
+    parents = {name: module for name, module in model.named_modules()}
+    for name, module in model.named_modules():
+        if hasattr(module, "fp8_gemm"):  # models/common/grouped_experts.py
+            if _excluded(name, exclude):
+                report.excluded.append(name)
+                continue
+            if not fp8_gemm.aligned(*module.linear_fc1.weight.shape[1:], *module.linear_fc2.weight.shape[1:]):
+                report.unaligned.append(name)
+                continue
+            module.fp8_gemm = grouped_mm
+            report.fp8.append(name)
+            continue
+        if not isinstance(module, (layers.ColumnParallelLinear, layers.RowParallelLinear)):
+            continue
+        if _excluded(name, exclude):
+            report.excluded.append(name)
+            continue
+        parent = parents.get(name.rpartition(".")[0])
+        hp_rows = _ba_rows(parent, name, exclude) if name.endswith("in_proj") and parent is not None else 0
+        out_rows, in_cols = module.weight.shape
+        if not fp8_gemm.aligned(out_rows - hp_rows, in_cols):
+            report.unaligned.append(name)
+            continue
+        split = "in" if isinstance(module, layers.RowParallelLinear) else "out"
+        spec = _Spec(rec, split, getattr(module, "tp_group", None), hp_rows)
+        module._forward_impl = functools.partial(_fp8_forward_impl, module, spec)
+        module.fp8_recipe = recipe
+        report.fp8.append(name)
+    return report
+
+
+def transient_bytes(weight_shapes, tokens: int, hidden: int) -> int:
+    """Peak bytes FP8 adds over bf16 while a layer computes: the largest weight's fp8 copy and
+    its transposed copy, and an fp8 copy of a [tokens, widest] activation and its gradient
+    (casts made per GEMM and freed after it; nothing is kept across layers)."""
+    largest = max((o * i for o, i in weight_shapes), default=0)
+    widest = max([hidden, *(max(o, i) for o, i in weight_shapes)])
+    return 2 * largest + 2 * tokens * widest

@@ -1,0 +1,195 @@
+"""FP8 GEMMs without Transformer Engine: the recipes' scaling, torch's scaled GEMMs, and their reference.
+
+Recipes (the names torchao's float8 training uses; what each operand is cast to):
+
+- ``tensorwise``: one scale per tensor; input and weight in e4m3, the output gradient in e5m2
+  (its wider range for gradients); scales are exact quotients ``fp8_max / amax``.
+- ``rowwise``: one scale per row of each operand along the GEMM's contraction dimension (per
+  token for activations, per output feature for the weight in forward, per input feature in
+  backward); every operand in e4m3 (the rowwise kernel takes e4m3 only); scales rounded down to
+  a power of two so that scaling and unscaling are exact.
+
+Scales are computed on the device from the tensor's current amax (``dynamic`` scaling: no
+history, no host sync, so CUDA graphs capture them); an amax over a dimension that tensor
+parallelism splits is all-reduced (MAX) over the group, so every rank uses the scale the
+unsplit tensor would have, and a TP run quantizes exactly as the single-GPU run does.
+
+``Quantized`` is an fp8 tensor with the reciprocal of its scale (broadcastable to it):
+``data.float() * inv_scale`` is the dequantized value. ``matmul`` and ``grouped_matmul`` run
+``torch._scaled_mm`` / ``torch._scaled_grouped_mm`` on CUDA with compute capability >= 9.0,
+and otherwise the reference: dequantize both operands and multiply in fp32 (the CPU path and
+the tests' ground truth), with one warning naming why the fast path did not run.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from fused_kernels.grouped_gemm import grouped_mm_reference
+
+log = logging.getLogger(__name__)
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+_AMAX_FLOOR = 1e-12  # an all-zero tensor gets a finite scale (its quantized values stay zero)
+_ALIGN = 16  # torch's scaled GEMMs need the contraction and output widths to be multiples of 16
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    rowwise: bool  # one scale per row along the contraction dimension; else one per tensor
+    grad_dtype: torch.dtype  # the output gradient's fp8 type
+    pow2_scales: bool
+
+    def dim(self, contraction: int) -> int | None:
+        """The dimension an amax runs over: the contraction dimension (rowwise) or all (None)."""
+        return contraction if self.rowwise else None
+
+
+RECIPES = {
+    "tensorwise": Recipe("tensorwise", rowwise=False, grad_dtype=E5M2, pow2_scales=False),
+    "rowwise": Recipe("rowwise", rowwise=True, grad_dtype=E4M3, pow2_scales=True),
+}
+# torch's grouped FP8 GEMM takes rowwise e4m3 scaling only: the routed experts use it under either recipe
+EXPERTS = RECIPES["rowwise"]
+
+
+class Quantized(NamedTuple):
+    data: torch.Tensor  # fp8
+    inv_scale: torch.Tensor  # fp32, broadcastable to data
+
+    def t(self) -> Quantized:
+        return Quantized(self.data.t(), self.inv_scale.t() if self.inv_scale.dim() == 2 else self.inv_scale)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.data.float() * self.inv_scale
+
+
+def amax(x: torch.Tensor, dim: int | None, group=None) -> torch.Tensor:
+    """fp32 max |x| over ``dim`` (kept, size 1) or over all of x (0-dim); all-reduced over ``group``."""
+    a = (x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)).float()
+    if group is not None and group.size() > 1:
+        dist.all_reduce(a, op=dist.ReduceOp.MAX, group=group)
+    return a
+
+
+def scale_from_amax(a: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Tensor:
+    """The multiplier that maps amax onto the fp8 type's largest finite value (rounded down to a
+    power of two when ``pow2``: never above it, so nothing saturates that would not have)."""
+    scale = torch.finfo(dtype).max / a.clamp(min=_AMAX_FLOOR)
+    return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
+
+
+def quantize_with(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Quantized:
+    limit = torch.finfo(dtype).max
+    data = (x.float() * scale).clamp(-limit, limit).to(dtype)
+    return Quantized(data, scale.reciprocal())
+
+
+def quantize(x: torch.Tensor, dim: int | None, dtype: torch.dtype, pow2: bool, group=None) -> Quantized:
+    """``x`` in ``dtype`` with one scale over ``dim`` (None: the whole tensor)."""
+    return quantize_with(x, scale_from_amax(amax(x, dim, group), dtype, pow2), dtype)
+
+
+# ----------------------------------------------------------------------------- fast path or reference
+
+
+def aligned(*widths: int) -> bool:
+    return all(w % _ALIGN == 0 for w in widths)
+
+
+def fast_path_reason(device: torch.device, grouped: bool = False) -> str | None:
+    """None when torch's scaled GEMM runs on ``device``, else why not."""
+    name = "_scaled_grouped_mm" if grouped else "_scaled_mm"
+    if not hasattr(torch, name):
+        return f"torch {torch.__version__} has no torch.{name}"
+    if device.type != "cuda":
+        return f"tensors on {device.type}, FP8 GEMMs need CUDA"
+    cc = torch.cuda.get_device_capability(device)
+    if cc < (9, 0):
+        return f"compute capability {cc} < (9, 0) (FP8 tensor cores start at Hopper)"
+    return None
+
+
+@functools.cache
+def _warn_emulated(reason: str) -> None:
+    log.warning("FP8: torch's scaled GEMMs not used (%s); emulating FP8 (quantize, dequantize, fp32 matmul): "
+                "same numerics, no speedup", reason)
+
+
+def _column_major(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-2) == 1 else t.mT.contiguous().mT
+
+
+def matmul(a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    """a [M, K] @ b [K, N] -> [M, N] in ``out_dtype``; a's scale is 0-dim or [M, 1], b's 0-dim or [1, N]."""
+    reason = fast_path_reason(a.data.device)
+    if reason is None:
+        return torch._scaled_mm(a.data.contiguous(), _column_major(b.data), a.inv_scale, b.inv_scale,
+                                out_dtype=out_dtype, use_fast_accum=fast_accum)
+    _warn_emulated(reason)
+    return (a.dequantize() @ b.dequantize()).to(out_dtype)
+
+
+def grouped_matmul(a: Quantized, b: Quantized, offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """Rowwise-scaled grouped GEMM, the two forms of fused_kernels/grouped_gemm.py:
+
+    - a [N, K] (scale [N, 1]) x b [G, K, M] (scale [G, 1, M]) -> [N, M];
+    - a [M, N] (scale [G, M, 1], one per group of a's columns) x b [N, K] (scale [G, 1, K], one
+      per group of b's rows) -> [G, M, K].
+    """
+    reason = fast_path_reason(a.data.device, grouped=True)
+    if reason is None:
+        if b.data.dim() == 3:
+            sa, sb = a.inv_scale.reshape(-1), b.inv_scale.reshape(b.data.shape[0], -1)
+        else:
+            sa, sb = a.inv_scale.reshape(-1), b.inv_scale.reshape(-1)
+        return torch._scaled_grouped_mm(a.data.contiguous(), _column_major(b.data), sa, sb, offs=offs,
+                                        out_dtype=out_dtype, use_fast_accum=True)
+    _warn_emulated(reason)
+    if b.data.dim() == 3:
+        return grouped_mm_reference(a.dequantize(), b.dequantize(), offs).to(out_dtype)
+    rows = group_of_rows(offs, a.data.shape[1])  # a's columns / b's rows -> their group
+    a_deq = a.data.float() * a.inv_scale[rows.clamp(max=offs.numel() - 1)].squeeze(-1).t()
+    b_deq = b.data.float() * b.inv_scale[rows.clamp(max=offs.numel() - 1)].squeeze(1)
+    return grouped_mm_reference(a_deq, b_deq, offs).to(out_dtype)
+
+
+# ----------------------------------------------------------------------------- per-group scales
+
+
+def group_of_rows(offs: torch.Tensor, n: int) -> torch.Tensor:
+    """The group of each of ``n`` rows (int64, on the device; rows past the last offset get G)."""
+    return torch.searchsorted(offs, torch.arange(n, device=offs.device, dtype=offs.dtype), right=True)
+
+
+def group_amax(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """[G, C] max |x| over each group's rows of x [N, C], on the device (an empty group: 0)."""
+    groups = offs.numel()
+    rows = group_of_rows(offs, x.shape[0])
+    out = torch.zeros(groups + 1, x.shape[1], dtype=torch.float32, device=x.device)
+    out.scatter_reduce_(0, rows[:, None].expand(-1, x.shape[1]), x.abs().float(), "amax")
+    return out[:groups]
+
+
+def quantize_grouped_rows(x: torch.Tensor, offs: torch.Tensor, recipe: Recipe) -> Quantized:
+    """x [N, C] with one scale per (group of rows, column): scale [G, 1, C]."""
+    scale = scale_from_amax(group_amax(x, offs), E4M3, recipe.pow2_scales)  # [G, C]
+    rows = group_of_rows(offs, x.shape[0]).clamp(max=offs.numel() - 1)
+    q = quantize_with(x, scale[rows], E4M3)
+    return Quantized(q.data, scale.reciprocal()[:, None, :])
+
+
+def quantize_grouped_cols(x: torch.Tensor, offs: torch.Tensor, recipe: Recipe) -> Quantized:
+    """x [C, N] with one scale per (row, group of columns): scale [G, C, 1]."""
+    scale = scale_from_amax(group_amax(x.t(), offs), E4M3, recipe.pow2_scales)  # [G, C]
+    cols = group_of_rows(offs, x.shape[1]).clamp(max=offs.numel() - 1)
+    q = quantize_with(x, scale[cols].t(), E4M3)
+    return Quantized(q.data, scale.reciprocal()[:, :, None])

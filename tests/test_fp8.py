@@ -1,0 +1,267 @@
+"""train.fp8 on the CPU (the emulated path: quantize, dequantize, fp32 matmul): the FP8 linear and
+grouped GEMMs against a plain quantize-dequantize reference written here, a hand-computed tiny
+case, gradients through the whole proxy model, exclusions, LoRA, and a bit-exact resume.
+The CUDA fast path (torch._scaled_mm / _scaled_grouped_mm) is checked against the emulation by
+the gpu-marked test at the end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.proxy_fixtures import forward, optimizer_steps, packed_rows
+from models.common import fp8, fp8_gemm
+from multimodal.config import ConfigError, load_config, validate
+
+PROXY = "configs/qwen35_vl_proxy.yaml"
+MOE = "configs/qwen35_vl_proxy_moe.yaml"
+F8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+# ----------------------------------------------------------------------------- the reference
+
+
+def qdq(t: torch.Tensor, dim, dtype, pow2: bool) -> torch.Tensor:
+    """Quantize-dequantize written out: scale = fp8 max / amax (over ``dim``, or all), rounded
+    down to a power of two if asked, saturating cast, divide back; fp32."""
+    t = t.double()
+    a = t.abs().max() if dim is None else t.abs().amax(dim=dim, keepdim=True)
+    scale = torch.finfo(dtype).max / a.clamp(min=1e-12)
+    if pow2:
+        scale = 2.0 ** torch.floor(torch.log2(scale))
+    scale = scale.float()
+    limit = torch.finfo(dtype).max
+    return ((t.float() * scale).clamp(-limit, limit).to(dtype).float() / scale)
+
+
+def reference_linear(x, w, g, recipe: str):
+    """(out, dx, dw) of y = x w^T with the recipe's casts: forward x, w in e4m3; backward the
+    output gradient in e5m2 (tensorwise) or e4m3 (rowwise), rowwise scales along each GEMM's
+    contraction dimension."""
+    if recipe == "tensorwise":
+        xq, wq, gq = qdq(x, None, F8["e4m3"], False), qdq(w, None, F8["e4m3"], False), qdq(g, None, F8["e5m2"], False)
+        return xq @ wq.t(), gq @ wq, gq.t() @ xq
+    e4 = F8["e4m3"]
+    out = qdq(x, 1, e4, True) @ qdq(w, 1, e4, True).t()
+    dx = qdq(g, 1, e4, True) @ qdq(w, 0, e4, True)
+    dw = qdq(g, 0, e4, True).t() @ qdq(x, 0, e4, True)
+    return out, dx, dw
+
+
+def _linear(x, w, recipe: str, hp_rows: int = 0, accumulate: bool = False):
+    spec = fp8._Spec(fp8_gemm.RECIPES[recipe], "out", None, hp_rows)
+    return fp8._Fp8Linear.apply(x, w, None, spec, accumulate, False, False, None)
+
+
+# ----------------------------------------------------------------------------- numerics
+
+
+def test_hand_computed_quantization():
+    """x = [[1, -3], [0.5, 2]] and [[1.1, -3], [0.5, 2]] by hand. Tensorwise: scale 448/3; 149.3
+    -> 144 (e4m3 steps of 16 in [128, 256)), 74.7 -> 72 (steps of 8), 298.7 -> 288 (steps of 32),
+    -448 exact. Rowwise (power-of-two scales): 448/3 and 448/2 both round down to 128;
+    1.1 * 128 = 140.8 -> 144, i.e. 1.125; the rest are exact."""
+    x = torch.tensor([[1.0, -3.0], [0.5, 2.0]])
+    got = fp8_gemm.quantize(x, None, fp8_gemm.E4M3, False).dequantize()
+    want = torch.tensor([[144.0, -448.0], [72.0, 288.0]]) * 3 / 448
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    x = torch.tensor([[1.1, -3.0], [0.5, 2.0]])
+    q = fp8_gemm.quantize(x, -1, fp8_gemm.E4M3, True)
+    assert q.inv_scale.flatten().tolist() == [1 / 128, 1 / 128]
+    assert q.dequantize().tolist() == [[1.125, -3.0], [0.5, 2.0]]
+    # e5m2 (2 mantissa bits), the tensorwise gradient type: the amax maps onto its max, 57344
+    g = fp8_gemm.quantize(torch.tensor([[0.3, -0.1]]), None, fp8_gemm.E5M2, False)
+    assert g.data.float().tolist() == [[57344.0, -20480.0]]  # 19114.7 -> 20480 (steps of 4096 in [16384, 32768))
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_emulated_linear_equals_the_reference(recipe, dtype):
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(48, 32, generator=gen) * 3).to(dtype).requires_grad_()
+    w = (torch.randn(64, 32, generator=gen) * 0.05).to(dtype).requires_grad_()
+    g = torch.randn(48, 64, generator=gen).to(dtype)
+    out = _linear(x, w, recipe)
+    out.backward(g)
+    want_out, want_dx, want_dw = reference_linear(x.detach(), w.detach(), g, recipe)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(out.float(), want_out, **tol)
+    torch.testing.assert_close(x.grad.float(), want_dx, **tol)
+    torch.testing.assert_close(w.grad.float(), want_dw, **tol)
+    # and FP8 is really in the way: the plain product differs by far more than rounding
+    assert (out.float() - x.detach().float() @ w.detach().float().t()).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_high_precision_tail_rows_and_main_grad_accumulation(recipe):
+    """The last hp_rows output rows (GDN's beta / alpha) are plain fp32 products; the weight
+    gradient added into main_grad (accumulation fusion) equals the returned one."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(32, 16, generator=gen).requires_grad_()
+    w = (torch.randn(16 + 4, 16, generator=gen) * 0.1).requires_grad_()
+    g = torch.randn(32, 20, generator=gen)
+    out = _linear(x, w, recipe, hp_rows=4)
+    out.backward(g)
+    ref_out, ref_dx, ref_dw = reference_linear(x.detach(), w.detach()[:16], g[:, :16], recipe)
+    torch.testing.assert_close(out[:, :16], ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[:, 16:], x.detach() @ w.detach()[16:].t(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad, ref_dx + g[:, 16:] @ w.detach()[16:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad[16:], g[:, 16:].t() @ x.detach(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w.grad[:16], ref_dw, rtol=1e-5, atol=1e-5)
+
+    w2 = w.detach().clone().requires_grad_()
+    w2.main_grad = torch.ones_like(w2)
+    w2.grad_added_to_main_grad = False
+    _linear(x.detach(), w2, recipe, hp_rows=4, accumulate=True).backward(g)
+    assert w2.grad_added_to_main_grad
+    torch.testing.assert_close(w2.main_grad, w.grad + 1, rtol=1e-6, atol=1e-6)
+
+
+def _grouped_reference(a, b, offs):
+    """Per-group products of per-group quantize-dequantized operands (rowwise, e4m3, pow2)."""
+    e4, ends = F8["e4m3"], offs.tolist()
+    starts = [0, *ends[:-1]]
+    if b.dim() == 3:
+        aq, bq = qdq(a, 1, e4, True), qdq(b, 1, e4, True)
+        return torch.cat([aq[s:e] @ bq[i] for i, (s, e) in enumerate(zip(starts, ends))])
+    return torch.stack([qdq(a[:, s:e], 1, e4, True) @ qdq(b[s:e], 0, e4, True) if e > s
+                        else a.new_zeros(a.shape[0], b.shape[1]) for s, e in zip(starts, ends)])
+
+
+def test_emulated_grouped_gemm_equals_the_reference():
+    gen = torch.Generator().manual_seed(2)
+    offs = torch.tensor([5, 5, 17, 24], dtype=torch.int32)  # group 1 empty
+    a = torch.randn(24, 32, generator=gen) * 2
+    b = torch.randn(4, 32, 48, generator=gen) * 0.1
+    torch.testing.assert_close(fp8.grouped_mm(a, b, offs), _grouped_reference(a, b, offs), rtol=1e-5, atol=1e-5)
+    g = torch.randn(24, 48, generator=gen)
+    got = fp8.grouped_mm(g.t(), a, offs)  # the weight-gradient form: [48, N] x [N, 32] -> [4, 48, 32]
+    want = _grouped_reference(g.t(), a, offs)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not got[1].any()  # the empty group
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def _build(mcore, config, overrides=(), seed=0):
+    from core.seeding import seed_everything
+    from multimodal.training import build_model_and_optimizer
+
+    cfg = load_config(config, [*overrides, "optimizer.lr=1e-2", "optimizer.warmup_iters=0"])
+    validate(cfg)
+    seed_everything(seed)
+    return cfg, *build_model_and_optimizer(cfg, mcore, torch.float32)
+
+
+def test_moe_proxy_converts_the_decoder_and_trains_every_parameter(mcore):
+    """Every decoder linear, shared expert and routed-expert group in FP8; the vision tower,
+    routers and LM head excluded; GDN's beta/alpha rows in high precision; a gradient reaches
+    every trained parameter; the loss moves away from bf16's by FP8 rounding, not more."""
+    cfg, model, ddp, optimizer, scheduler = _build(mcore, MOE)
+    batch = packed_rows(cfg)[0]
+    with torch.no_grad():
+        bf16_loss = (forward(model, batch) * batch["loss_mask"]).sum()
+    report = fp8.convert(model, "rowwise", cfg.train.fp8_exclude)
+    names = dict(model.named_modules())
+    assert report.fp8 and not report.unaligned
+    layers = cfg.model.num_layers
+    # per layer: the mixer's two projections, the shared expert's fc1 / fc2 and the routed experts
+    assert len(report.fp8) == 5 * layers, report.fp8
+    assert sum(n.endswith(".experts") for n in report.fp8) == layers
+    assert all(not n.startswith("vision_model") and "router" not in n and "output_layer" not in n for n in report.fp8)
+    assert any(n.startswith("vision_model") for n in report.excluded) or not any(
+        n.startswith("vision_model") and hasattr(m, "_forward_impl") for n, m in names.items())
+    in_proj = [names[n] for n in report.fp8 if n.endswith("in_proj")]
+    assert in_proj and all(m._forward_impl.args[1].hp_rows == 2 * cfg.model.linear_num_value_heads for m in in_proj)
+    line = report.line()
+    assert f"{len(report.fp8)} modules in FP8" in line and "*.router" in line
+
+    loss = optimizer_steps(cfg, model, ddp, optimizer, scheduler, 1)[0]
+    assert loss != bf16_loss
+    assert abs(loss - bf16_loss) / bf16_loss < 0.02, (loss, bf16_loss)
+    trained = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    missing = [n for n, p in trained.items() if not p.main_grad.any()]
+    assert not missing, missing
+
+
+def test_exclusion_patterns_are_respected(mcore):
+    cfg, model, *_ = _build(mcore, PROXY)
+    report = fp8.convert(model, "tensorwise", ["vision_model.*", "*output_layer", "*.mlp.*"])
+    assert report.fp8 and all(".mlp." not in n for n in report.fp8)
+    assert sum(".mlp." in n for n in report.excluded) == 2 * cfg.model.num_layers
+    # in_proj_ba is not excluded here: the whole in_proj (392 rows, not a multiple of 16) stays bf16
+    assert all(n.endswith("in_proj") for n in report.unaligned) and report.unaligned
+    for name, module in model.named_modules():
+        assert hasattr(module, "fp8_recipe") == (name in report.fp8 and not name.endswith("experts"))
+
+
+def test_lora_base_in_fp8_adapters_train(mcore):
+    lora = ["model.lora.rank=4", "model.lora.alpha=8"]
+    cfg, model, ddp, optimizer, scheduler = _build(mcore, PROXY, lora)
+    report = fp8.convert(model, "tensorwise", cfg.train.fp8_exclude)
+    assert any(n.endswith("linear_qkv") for n in report.fp8)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    losses = optimizer_steps(cfg, model, ddp, optimizer, scheduler, 2)
+    assert all(torch.isfinite(x) for x in losses)
+    changed = {n for n, p in model.named_parameters() if not torch.equal(before[n], p)}
+    assert changed and all(".lora_" in n for n in changed)
+    assert any(n.endswith("lora_B") for n in changed)
+
+
+def test_fp8_run_resumes_bit_exact(mcore, tmp_path):
+    """FP8 keeps no state of its own (scales come from the current tensors): a run resumed from a
+    checkpoint (built from another seed) repeats the uninterrupted run's losses bit for bit."""
+    from multimodal import checkpointing
+
+    def run(seed):
+        cfg, *rest = _build(mcore, PROXY, ["train.fp8=rowwise"], seed=seed)
+        fp8.convert(rest[0], cfg.train.fp8, cfg.train.fp8_exclude)
+        return cfg, rest
+
+    cfg, rest = run(0)
+    whole = optimizer_steps(cfg, *rest, steps=2)
+    cfg, rest = run(0)
+    first = optimizer_steps(cfg, *rest, steps=1)
+    model, ddp, optimizer, scheduler = rest
+    checkpointing.save(str(tmp_path), 1, model, optimizer, scheduler, {})
+    cfg, rest = run(1)
+    model, ddp, optimizer, scheduler = rest
+    assert checkpointing.load(checkpointing.resolve("latest", str(tmp_path)), model, optimizer, scheduler)[0] == 1
+    second = optimizer_steps(cfg, *rest, steps=1)
+    assert torch.equal(torch.stack(first + second), torch.stack(whole))
+
+
+def test_config_refuses_an_unknown_recipe():
+    with pytest.raises(ConfigError, match=r"train\.fp8 must be null \(bf16\), tensorwise or rowwise"):
+        validate(load_config(PROXY, ["train.fp8=e4m3"]))
+
+
+# ----------------------------------------------------------------------------- the GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_scaled_mm_matches_the_emulation(recipe, monkeypatch):
+    """torch._scaled_mm / _scaled_grouped_mm against the emulated path on the same casts (bf16)."""
+    if fp8_gemm.fast_path_reason(torch.device("cuda")) is not None:
+        pytest.skip(fp8_gemm.fast_path_reason(torch.device("cuda")))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1000, 256, device="cuda", generator=gen).bfloat16().requires_grad_()
+    w = (torch.randn(512, 256, device="cuda", generator=gen) * 0.05).bfloat16().requires_grad_()
+    g = torch.randn(1000, 512, device="cuda", generator=gen).bfloat16()
+    offs = torch.tensor([100, 100, 517, 1000], dtype=torch.int32, device="cuda")
+    b = (torch.randn(4, 256, 128, device="cuda", generator=gen) * 0.05).bfloat16()
+
+    def run():
+        xi, wi = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        out = _linear(xi, wi, recipe)
+        out.backward(g)
+        return out, xi.grad, wi.grad, fp8.grouped_mm(x.detach(), b, offs), fp8.grouped_mm(g.t(), x.detach(), offs)
+
+    fast = run()
+    monkeypatch.setattr(fp8_gemm, "fast_path_reason", lambda *a, **k: "forced emulation")
+    emulated = run()
+    for f, e in zip(fast, emulated):
+        err = ((f.float() - e.float()).norm() / e.float().norm()).item()
+        assert err < 1e-2, err
