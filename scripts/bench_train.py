@@ -459,6 +459,31 @@ def ab_runs(args, out_dir: str, forced: list[str], rt) -> dict:
     return out
 
 
+def _fp8_recipe(overrides: list[str]) -> str | None:
+    """The train.fp8 a list of overrides leaves set (the last one wins; null: bf16)."""
+    value = None
+    for kv in overrides:
+        key, _, v = kv.partition("=")
+        if key.strip() == "train.fp8":
+            value = None if v.strip().lower() in ("null", "none", "") else v.strip()
+    return value
+
+
+def add_fp8_speedup(ab: dict, main_overrides: list[str], main_tokens_per_s: float) -> None:
+    """Each A/B whose two sides differ in train.fp8 gets ``fp8_speedup``: FP8 tokens/s over
+    bf16's, the A side being the mean of the two A runs (before and after B: drift cancels)."""
+    a_fp8 = _fp8_recipe(main_overrides)
+    for spec, rows in ab.items():
+        b_fp8 = _fp8_recipe([*main_overrides, *spec.split(",")])
+        a_tps = [t for t in (main_tokens_per_s, rows["a_again"].get("tokens_per_s")) if t]
+        b_tps = rows["b"].get("tokens_per_s")
+        if (a_fp8 is None) == (b_fp8 is None) or not a_tps or not b_tps:
+            continue
+        a_mean = sum(a_tps) / len(a_tps)
+        rows["fp8_speedup"] = b_tps / a_mean if b_fp8 else a_mean / b_tps
+        rows["fp8_recipe"] = b_fp8 or a_fp8
+
+
 # ------------------------------------------------------------------ main
 
 
@@ -475,7 +500,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="also run ours once per train.recompute_modules choice and report peak memory / speed")
     ap.add_argument("--ab", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                     help="after ours, run ours again with these overrides, then as given again (A, B, A in one "
-                         "process, so caches and autotuning are shared); repeatable")
+                         "process, so caches and autotuning are shared); repeatable. An A/B that switches "
+                         "train.fp8 reports fp8_speedup (FP8 tokens/s over bf16's)")
     ap.add_argument("--ours-process", choices=("auto", "fresh", "same"), default="auto",
                     help="run ours in a spawned process (auto: on a GPU when the transformers half follows)")
     ap.add_argument("--hf-gdn", choices=("auto", "fla", "torch"), default="auto",
@@ -547,6 +573,7 @@ def main(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__,
     }
     if ab is not None:
+        add_fp8_speedup(ab, args.overrides, ours["tokens_per_s"])
         result["ab"] = ab
     hf_keys = ("hf_tokens_per_s", "hf_tflops_per_gpu", "hf_mfu", "hf_peak_mem_gib", "hf_step_time_s")
     result.update({k: None for k in hf_keys})
@@ -634,7 +661,8 @@ def _summary(r: dict) -> None:
         print(f"  HF: {r['hf_error']}", file=sys.stderr)
     for spec, rows in (r.get("ab") or {}).items():
         print(f"  A/B {spec}: A {r['step_time_s']:.4f}, B {rows['b']['step_time_s']:.4f}, A again "
-              f"{rows['a_again']['step_time_s']:.4f} s/step (B peak mem {rows['b']['peak_mem_gib']:.1f} GiB)",
+              f"{rows['a_again']['step_time_s']:.4f} s/step (B peak mem {rows['b']['peak_mem_gib']:.1f} GiB)"
+              + (f"; FP8 ({rows['fp8_recipe']}) / bf16 tokens/s {rows['fp8_speedup']:.3f}x" if "fp8_speedup" in rows else ""),
               file=sys.stderr)
     for name, row in (r.get("recompute_sweep") or {}).items():
         print(f"  recompute {name:45s} peak {row['peak_mem_gib']:7.2f} GiB (saves {row['saved_gib']:6.2f})  "

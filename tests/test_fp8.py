@@ -265,3 +265,22 @@ def test_scaled_mm_matches_the_emulation(recipe, monkeypatch):
     for f, e in zip(fast, emulated):
         err = ((f.float() - e.float()).norm() / e.float().norm()).item()
         assert err < 1e-2, err
+
+
+def test_bench_ab_reports_fp8_speedup():
+    """bench_train --ab train.fp8=...: FP8 tokens/s over the mean of the two bf16 (A) runs; the
+    reverse A/B (A in FP8, B bf16) inverts; an A/B that does not switch FP8 gets none."""
+    from scripts.bench_train import add_fp8_speedup
+
+    def ab(spec, b, a_again):
+        return {spec: {"b": {"tokens_per_s": b}, "a_again": {"tokens_per_s": a_again}}}
+
+    rows = ab("train.fp8=tensorwise", 150.0, 110.0)
+    add_fp8_speedup(rows, ["train.iters=5"], 90.0)
+    assert rows["train.fp8=tensorwise"]["fp8_speedup"] == 1.5 and rows["train.fp8=tensorwise"]["fp8_recipe"] == "tensorwise"
+    rows = ab("train.fp8=null", 100.0, 130.0)
+    add_fp8_speedup(rows, ["train.fp8=rowwise"], 110.0)
+    assert rows["train.fp8=null"]["fp8_speedup"] == 1.2
+    rows = ab("train.cuda_graphs=true", 100.0, 100.0)
+    add_fp8_speedup(rows, ["train.fp8=rowwise"], 100.0)
+    assert "fp8_speedup" not in rows["train.cuda_graphs=true"]
