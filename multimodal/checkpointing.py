@@ -36,6 +36,7 @@ from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core import parallel_state as ps
 
 from models.common.lora import is_adapter_param
+from models.common.virtual_pipeline import as_one_module
 from multimodal import checkpoint_checks as checks
 from core.errors import CheckpointError, ConfigError, DiskFullError, IncompleteCheckpoint, one_line
 
@@ -249,7 +250,7 @@ def save(ckpt_dir: str, iteration: int, model, optimizer, scheduler, data_state:
     t0 = time.perf_counter()
     trainer = {"iteration": iteration, "scheduler": scheduler.state_dict(), "world_size": dist.get_world_size(),
                "finite": True, **_data_parallel_map(), **_data_frontier(data_state), **(extra or {})}
-    sharded = _sharded_state(model, optimizer, is_loading=False)
+    sharded = _sharded_state(as_one_module(model), optimizer, is_loading=False)
     t1 = time.perf_counter()
     final = _write(Path(ckpt_dir), iteration, sharded, trainer, meta_files, {"rng": _rng_state(), "data": data_state},
                    keep_last, saves)
@@ -398,6 +399,7 @@ def estimate_bytes(model, world_size: int) -> tuple[int, str]:
     counts (weights in their dtype; for trainable ones fp32 main copies unless fp32 already, and
     two fp32 Adam moments), and how it was counted. Ranks of one data-parallel group hold the
     same weights, so this rank's count is scaled by the model-parallel size."""
+    model = as_one_module(model)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     state = sum(p.numel() * (8 + (0 if p.dtype == torch.float32 else 4)) for p in model.parameters() if p.requires_grad)
     model_parallel = world_size // ps.get_data_parallel_world_size() if ps.model_parallel_is_initialized() else 1
@@ -448,12 +450,13 @@ def save_weights(ckpt_dir: str | Path, model, extra: dict | None = None,
     """A weights-only checkpoint (e.g. converted from Hugging Face): training starts at step 0
     from these weights with a fresh optimizer."""
     trainer = {"iteration": 0, "weights_only": True, **(extra or {})}
-    return _write(Path(ckpt_dir), 0, {"model": model.sharded_state_dict()}, trainer, meta_files)
+    return _write(Path(ckpt_dir), 0, {"model": as_one_module(model).sharded_state_dict()}, trainer, meta_files)
 
 
 def load_weights(path: Path, model) -> dict:
     """Load only the model weights of any checkpoint (under any TP/EP layout); returns trainer_state."""
     trainer = json.loads((path / "trainer_state.json").read_text())
+    model = as_one_module(model)
     sharded = model.sharded_state_dict()
     fresh = _adapters_not_in(path, sharded)
     state = dist_checkpointing.load({"model": {k: v for k, v in sharded.items() if k not in fresh}}, str(path))
@@ -547,7 +550,7 @@ def check_loadable(path: Path, model, model_config: dict | None = None, trust: b
     except Exception as e:  # noqa: BLE001 - a damaged .metadata in a checkpoint without a manifest
         raise checks.corrupt(path, f"{path / '.metadata'} does not load ({one_line(e)})") from e
     whole = not ps.model_parallel_is_initialized() or ps.get_pipeline_model_parallel_world_size() == 1
-    sharded = model.sharded_state_dict()
+    sharded = as_one_module(model).sharded_state_dict()
     if trainer.get("weights_only"):  # a base-only checkpoint under model.lora: the adapters start fresh
         fresh = _adapters_not_in(path, sharded)
         sharded = {k: v for k, v in sharded.items() if k not in fresh}
@@ -639,7 +642,9 @@ def load(path: Path, model, optimizer, scheduler, model_config: dict | None = No
     """Restore model, optimizer, scheduler and this rank's RNG; returns (iteration, data_state).
     A weights-only checkpoint restores the model and starts at iteration 0. ``model_config``: this
     run's model fields, named in the message when the checkpoint's differ. The LR schedule is this
-    run's config's (a changed optimizer.lr, warm-up or train.iters is said in one line)."""
+    run's config's (a changed optimizer.lr, warm-up or train.iters is said in one line). ``model``: the
+    model or this rank's list of chunks (virtual pipeline stages), as for ``save``."""
+    model = as_one_module(model)
     trainer = check_loadable(path, model, model_config, trust)
     if trainer.get("weights_only"):
         _read(path, "the weights", lambda: load_weights(path, model))

@@ -7,7 +7,8 @@ device needs is copied once per micro-batch asynchronously (from pinned memory);
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterator
 from functools import partial
 
 import torch
@@ -78,6 +79,20 @@ def vision_gather(batch: dict, cp_group):
     return batch["vision_gather_index"], batch["vision_gather_width"], cp_group, batch["cp_rank"]
 
 
+def chunk_iterators(batches: Iterator[dict], num_chunks: int) -> Iterator[dict] | list[Iterator[dict]]:
+    """What megatron's schedule takes as ``data_iterator`` for ``num_chunks`` model chunks: the loader
+    itself for one, else one iterator per chunk, each yielding every micro-batch of ``batches``.
+
+    The interleaved schedule calls the forward step once per chunk per micro-batch, pulling from
+    that chunk's iterator; every chunk needs the micro-batch (all of them rotate by the MRoPE
+    position ids and cut packed rows at ``cu_seqlens``; the first also embeds it, the last scores
+    it), so each chunk reads the same rows. A chunk runs at most about pp x vpp micro-batches
+    ahead of the last one, which bounds what the shared buffer holds."""
+    if num_chunks == 1:
+        return batches
+    return list(itertools.tee(batches, num_chunks))
+
+
 def _unwrap(model):
     while hasattr(model, "module"):  # megatron DDP / Float16Module wrappers
         model = model.module
@@ -106,6 +121,9 @@ class ForwardStep:
         forward later, interleaved with another micro-batch's backward) and megatron applies the
         same loss closure to the plan's output."""
         batch = next(data_iterator)
+        # with virtual stages each chunk runs every micro-batch: one chunk a rank counts it (the last,
+        # which on the last rank holds the LM head and MTP, as a rank without virtual stages does)
+        records = getattr(_unwrap(model), "counts_batches", True)
         stats = {k: batch[k] for k in ("sample_lengths", "num_real_tokens", "image_grid_thw")}
         loss_tokens = int((batch["loss_mask"] != 0).sum())  # of the whole micro-batch, before any CP split
         lm = getattr(_unwrap(model), "language_model", None)
@@ -123,7 +141,8 @@ class ForwardStep:
         if sparse:
             params.loss_token_index = to_device_async(loss_token_index(batch["loss_mask"]), self.device)
         # tokens the LM head runs on (for FLOPs): the loss tokens, or None for every real token
-        self.batches.append({**stats, "lm_head_tokens": loss_tokens if sparse else None, "mtp_depth": mtp_depth})
+        if records:
+            self.batches.append({**stats, "lm_head_tokens": loss_tokens if sparse else None, "mtp_depth": mtp_depth})
         mtp = self._mtp_inputs(shifted, batch, loss_tokens, lm) if shifted is not None else None
         run = model.build_schedule_plan if return_schedule_plan else model
         output = run(

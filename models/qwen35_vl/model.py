@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
@@ -15,6 +16,7 @@ from models.common import norms, swiglu
 from models.common.language_model import FusedLossGPTModel
 from models.common.moe_aux_loss import use_group_mean_token_count
 from models.common.mtp import MTPBlock
+from models.common.virtual_pipeline import chunk_layers, megatron_pipeline
 from models.common.moe_dispatch import GroupedDispatcher
 from models.common.moe_nvtx import add_moe_nvtx_ranges
 from models.qwen35_vl import attention as attn_mod
@@ -120,7 +122,7 @@ def transformer_config(cfg, parallel, params_dtype: torch.dtype, deterministic: 
         linear_num_key_heads=m.linear_num_key_heads,
         linear_num_value_heads=m.linear_num_value_heads,
         tensor_model_parallel_size=parallel.tp,
-        pipeline_model_parallel_size=parallel.pp,
+        **megatron_pipeline(parallel),
         context_parallel_size=parallel.cp,
         expert_model_parallel_size=parallel.ep,
         sequence_parallel=parallel.sequence_parallel and parallel.tp > 1,
@@ -145,7 +147,8 @@ def _enter_through_one_node(module: torch.nn.Module) -> None:
 
 
 def build(cfg, parallel, params_dtype: torch.dtype, pre_process: bool = True, post_process: bool = True,
-          deterministic: bool = False) -> MultimodalModel:
+          deterministic: bool = False, vp_stage: int | None = None) -> MultimodalModel:
+    """``vp_stage``: this pipeline rank's virtual stage (models/common/virtual_pipeline.py)."""
     m = cfg
     tcfg = transformer_config(m, parallel, params_dtype, deterministic)
     if tcfg.bias_activation_fusion:
@@ -163,9 +166,13 @@ def build(cfg, parallel, params_dtype: torch.dtype, pre_process: bool = True, po
     gdn_mod.Qwen35GatedDeltaNet.gdn_pre_impl = ("fused" if gpu else "unfused") if m.gdn_pre_impl == "auto" \
         else m.gdn_pre_impl
     rot_dim = int(m.head_dim * m.partial_rotary_factor)
+    # this chunk's layers of the whole decoder's hybrid pattern (kinds follow the global index)
+    every_layer, layers = decoder_block_spec(m), chunk_layers(tcfg, vp_stage)
+    block = TransformerBlockSubmodules(layer_specs=every_layer.layer_specs[layers.start:layers.stop],
+                                       layer_norm=every_layer.layer_norm)
     language = Qwen35LanguageModel(
         config=tcfg,
-        transformer_layer_spec=decoder_block_spec(m, tcfg),  # this pipeline stage's layers only
+        transformer_layer_spec=block,
         vocab_size=m.vocab_size,
         max_sequence_length=m.max_position_embeddings,
         pre_process=pre_process,
@@ -178,6 +185,7 @@ def build(cfg, parallel, params_dtype: torch.dtype, pre_process: bool = True, po
         interleaved=m.mrope_interleaved,
         mtp_num_layers=m.mtp_num_layers,
         mtp_layer_spec=mtp_layer_spec(m),
+        vp_stage=vp_stage,
     )
     language.mtp_loss_scale = m.mtp_loss_scale
     language.fused_mrope = gpu if m.fused_mrope is None else m.fused_mrope

@@ -13,7 +13,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from torch import nn
 
@@ -24,6 +24,7 @@ from models.common.language_model import FusedLossGPTModel
 from models.common import norms
 from models.common.norms import RMSNorm
 from models.common.rotary_attention import RotarySelfAttention
+from models.common.virtual_pipeline import chunk_layers, megatron_pipeline
 
 
 class TinyLanguageModel(FusedLossGPTModel):
@@ -70,7 +71,7 @@ def transformer_config(m, parallel, params_dtype: torch.dtype, deterministic: bo
         bias_dropout_fusion=False, bias_activation_fusion=False, apply_rope_fusion=False,
         masked_softmax_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
         init_method_std=m.init_method_std,
-        tensor_model_parallel_size=parallel.tp, pipeline_model_parallel_size=parallel.pp,
+        tensor_model_parallel_size=parallel.tp, **megatron_pipeline(parallel),
         context_parallel_size=parallel.cp, sequence_parallel=parallel.sequence_parallel and parallel.tp > 1,
         params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16, pipeline_dtype=params_dtype,
         use_cpu_initialization=not torch.cuda.is_available(), calculate_per_token_loss=True,
@@ -95,18 +96,19 @@ def layer_spec() -> ModuleSpec:
 
 
 def build(cfg, parallel, params_dtype: torch.dtype, pre_process: bool = True, post_process: bool = True,
-          deterministic: bool = False) -> MultimodalModel:
+          deterministic: bool = False, vp_stage: int | None = None) -> MultimodalModel:
+    """``vp_stage``: this pipeline rank's virtual stage (models/common/virtual_pipeline.py)."""
     m = cfg
     tcfg = transformer_config(m, parallel, params_dtype, deterministic)
     CoreAttention.backend = m.attention_backend
     norms.COMPILE = m.compile_norms
-    layers = get_num_layers_to_build(tcfg) if parallel.pp > 1 else m.num_layers  # this stage's
+    layers = len(chunk_layers(tcfg, vp_stage))  # this chunk's
     language = TinyLanguageModel(
         config=tcfg,
         transformer_layer_spec=TransformerBlockSubmodules(layer_specs=[layer_spec()] * layers, layer_norm=RMSNorm),
         vocab_size=m.vocab_size, max_sequence_length=m.max_position_embeddings,
         pre_process=pre_process, post_process=post_process, share_embeddings_and_output_weights=m.tie_word_embeddings,
-        scatter_embedding_sequence_parallel=False, head_dim=m.head_dim, rope_theta=m.rope_theta,
+        scatter_embedding_sequence_parallel=False, head_dim=m.head_dim, rope_theta=m.rope_theta, vp_stage=vp_stage,
     )
     language.fused_linear_ce = m.fused_linear_ce
     vision = None
