@@ -24,12 +24,12 @@ parquet files), one record at a time (``data/record_sources.py``), in two forms:
   each ``<image>`` in a value is the next image of the record, in order; each ``<video>`` the next
   of ``"video": VIDEO`` / ``"videos": [VIDEO, ...]``.
 
-``IMAGE`` is a path (relative to ``data.image_root``, default the data file's folder or the
+``IMAGE`` is a path (relative to ``data.conversations.image_root``, default the data file's folder or the
 datasets folder; ``file://`` allowed), embedded bytes as a ``data:image/...;base64,...`` URL, raw
 bytes, or a ``datasets`` ``Image`` value (``{"bytes": ..., "path": ...}``). ``VIDEO`` is a video
-file (a path as for images, or raw bytes; decoded with PyAV and sampled at ``data.video_fps``) or a
-list of frames (``IMAGE`` each) taken as given at ``data.video_fps`` frames a second
-(``data/video.py``). ``data.system_prompt``
+file (a path as for images, or raw bytes; decoded with PyAV and sampled at ``data.video.fps``) or a
+list of frames (``IMAGE`` each) taken as given at ``data.video.fps`` frames a second
+(``data/video.py``). ``data.conversations.system_prompt``
 is put first in records that have no system message. Every sample is rendered as Qwen3.5's chat
 template renders it (``data/chat.py``) and every assistant turn is supervised.
 
@@ -132,8 +132,9 @@ class ConversationsDataset(torch.utils.data.Dataset):
         except RecordSourceError as e:
             raise RecordSourceError(f"data.path={data_cfg.path!r}: {e}") from None
         self.path = path
-        self.image_root = Path(data_cfg.image_root) if data_cfg.image_root else path if path.is_dir() else path.parent
-        self.system_prompt = data_cfg.system_prompt
+        root = data_cfg.conversations.image_root
+        self.image_root = Path(root) if root else path if path.is_dir() else path.parent
+        self.system_prompt = data_cfg.conversations.system_prompt
         v = model_cfg.vision
         self.patch, self.tp, self.merge = v.patch_size, v.temporal_patch_size, v.spatial_merge_size
         family = get_model_family(model_cfg.name)
@@ -141,8 +142,9 @@ class ConversationsDataset(torch.utils.data.Dataset):
         self.video_position_grids = family.video_position_grids  # e.g. a run per temporal group
         self.min_pixels, self.max_pixels = data_cfg.min_pixels, data_cfg.max_pixels
         self.image_mean, self.image_std = tuple(data_cfg.image_mean), tuple(data_cfg.image_std)
-        self.video_fps, self.video_frames = data_cfg.video_fps, (data_cfg.video_min_frames, data_cfg.video_max_frames)
-        self.video_pixels = (data_cfg.video_min_pixels, data_cfg.video_max_pixels)
+        video = data_cfg.video
+        self.video_fps, self.video_frames = video.fps, (video.min_frames, video.max_frames)
+        self.video_pixels = (video.min_pixels, video.max_pixels)
         self.seq_length, self.tokenizer = seq_length, tokenizer
         self.ids = special_token_ids(tokenizer)
         for key in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
@@ -243,7 +245,7 @@ class ConversationsDataset(torch.utils.data.Dataset):
         path = Path(src.removeprefix("file://"))
         path = path if path.is_absolute() else self.image_root / path
         if not path.is_file():
-            raise SkipSample(f"missing_{kind}", f"{kind} {path} does not exist (data.image_root={self.image_root})")
+            raise SkipSample(f"missing_{kind}", f"{kind} {path} does not exist (data.conversations.image_root={self.image_root})")
         return path
 
     def _load_image(self, src) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,7 +24,7 @@ MIN_SAMPLES_FOR_BAD_CHECK = 20  # judge the bad-row fraction only once it means 
 
 
 def default_num_workers(is_cuda: bool, local_world_size: int | None = None) -> int:
-    """``data.num_workers: null``: on a GPU, up to 4 decode processes per rank, with two of the
+    """``data.loader.num_workers: null``: on a GPU, up to 4 decode processes per rank, with two of the
     rank's cores left to its training thread and prefetch thread; none on a CPU, where workers
     would take the cores the model runs on. Why on a GPU: with varied images, decoding in the
     training process leaves the GPU waiting for batches for much of the step
@@ -132,11 +132,12 @@ class MicroBatchIterator:
         """The iterator a recipe describes, from its sections: row length and micro-batch size from
         ``train``, the pad id, placeholder ids and merge size from ``model``, packing, look-ahead,
         decode workers and bad-row limit from ``data``. ``pad_multiple``: what the parallel layout
-        needs (the trainer's ``sequence_pad_multiple``); None: ``data.pad_multiple``, or 1."""
+        needs (the trainer's ``sequence_pad_multiple``); None: ``data.loader.pad_multiple``, or 1."""
         return cls(dataset, train.seq_length, model.pad_token_id, model.vision_token_ids,
                    model.vision.spatial_merge_size, data.pack, train.micro_batch_size, dp_rank, dp_size,
-                   max_bad_fraction=data.max_bad_fraction, num_workers=data.num_workers or 0,
-                   pad_multiple=pad_multiple or data.pad_multiple or 1, pack_lookahead=data.pack_lookahead,
+                   max_bad_fraction=data.loader.max_bad_fraction, num_workers=data.loader.num_workers or 0,
+                   pad_multiple=pad_multiple or data.loader.pad_multiple or 1,
+                   pack_lookahead=data.loader.pack_lookahead,
                    one_pass=one_pass)
 
     def _read(self, index: int) -> dict | None:
@@ -178,8 +179,8 @@ class MicroBatchIterator:
                 reasons = dict(getattr(self.dataset, "skipped", {}))
                 raise DataError(
                     f"{self.bad} of {self.seen} samples read by data-parallel rank {self.dp_rank} were unusable "
-                    f"({reasons}), more than data.max_bad_fraction={self.max_bad_fraction}; fix the data or "
-                    "raise data.max_bad_fraction")
+                    f"({reasons}), more than data.loader.max_bad_fraction={self.max_bad_fraction}; fix the data or "
+                    "raise data.loader.max_bad_fraction")
             self._next += self.dp_size
         return self._peeked[1]
 

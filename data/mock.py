@@ -39,8 +39,8 @@ class MockDataset(torch.utils.data.Dataset):
         self.position_ids = get_model_family(model_cfg.name).position_ids  # e.g. MRoPE's 3-D ids
         self.unit = self.patch * self.merge
         self.image_mean, self.image_std = tuple(data_cfg.image_mean), tuple(data_cfg.image_std)
-        if data_cfg.min_image_side % self.unit or data_cfg.max_image_side % self.unit:
-            raise ValueError(f"data.min_image_side/max_image_side must be multiples of {self.unit}")
+        if data_cfg.mock.min_image_side % self.unit or data_cfg.mock.max_image_side % self.unit:
+            raise ValueError(f"data.mock.min_image_side/max_image_side must be multiples of {self.unit}")
         # Ordinary text ids lie below every special token; the two just below them are the
         # role headers (real tokenizers put their special ids at the top of the vocabulary).
         m = model_cfg
@@ -51,14 +51,14 @@ class MockDataset(torch.utils.data.Dataset):
         if self.text_vocab < 16:
             raise ValueError(f"special token ids from {lowest_special} up leave too few text ids for mock data")
         task = np.random.default_rng(_TASK_SEED)
-        n = data_cfg.num_classes
+        n = data_cfg.mock.num_classes
         self.colours = task.uniform(0.1, 0.9, size=(n, 3)).astype(np.float32)
         self.periods = task.choice([4, 6, 8, 10, 12, 16], size=n)
         self.angles = task.uniform(0, np.pi, size=n)
         self.answers = [task.integers(0, self.text_vocab, size=4 + c % 5).tolist() for c in range(n)]
 
     def __len__(self) -> int:
-        return self.d.num_samples
+        return self.d.mock.num_samples
 
     # ------------------------------------------------------------------ pieces
 
@@ -86,11 +86,11 @@ class MockDataset(torch.utils.data.Dataset):
     # ------------------------------------------------------------------ sample
 
     def __getitem__(self, index: int) -> dict:
-        m, d = self.m, self.d
-        rng = np.random.default_rng((d.seed, int(index)))
-        n_img = int(rng.integers(d.min_images, d.max_images + 1))
-        classes = rng.integers(0, d.num_classes, size=n_img).tolist()
-        lo, hi = d.min_image_side // self.unit, d.max_image_side // self.unit
+        m, g = self.m, self.d.mock
+        rng = np.random.default_rng((self.d.seed, int(index)))
+        n_img = int(rng.integers(g.min_images, g.max_images + 1))
+        classes = rng.integers(0, g.num_classes, size=n_img).tolist()
+        lo, hi = g.min_image_side // self.unit, g.max_image_side // self.unit
         sides = (rng.integers(lo, hi + 1, size=(n_img, 2)) * self.unit).tolist()
 
         pixels, grids, image_spans = [], [], []
@@ -109,9 +109,9 @@ class MockDataset(torch.utils.data.Dataset):
             raise ValueError(
                 f"mock sample {index}: {n_img} image(s) of sizes {sides} (HxW) need {fixed} tokens "
                 f"without any prompt text, more than train.seq_length={self.seq_length}; raise "
-                "train.seq_length or lower data.max_image_side / data.max_images"
+                "train.seq_length or lower data.mock.max_image_side / data.mock.max_images"
             )
-        n_text = int(rng.integers(d.min_text_tokens, d.max_text_tokens + 1))
+        n_text = int(rng.integers(g.min_text_tokens, g.max_text_tokens + 1))
         n_text = min(n_text, self.seq_length - fixed)  # shrink the prompt to fit
         prompt = self._text(rng, n_text)
 

@@ -27,7 +27,7 @@ def _cord_v2(model_cfg, data_cfg, seq_length: int):
 
     return CordV2Dataset(
         model_cfg, data_cfg, seq_length, load_tokenizer(data_cfg), split=data_cfg.split,
-        prompt=data_cfg.prompt, target_format=data_cfg.target_format,
+        prompt=data_cfg.cord_v2.prompt, target_format=data_cfg.cord_v2.target_format,
         min_pixels=data_cfg.min_pixels, max_pixels=data_cfg.max_pixels,
     )
 

@@ -50,7 +50,7 @@ class ModelFamily:
       ``position_ids`` places, one video's (t, h, w) at a time (Qwen3-VL: t grids of (1, h, w), one
       per temporal group, each run between timestamp text); the default keeps the grid whole.
     - ``vision_graph_buckets(max_patches, unit)`` -> the sizes of the vision encoder's CUDA graph
-      buckets for that many patches (``train.cuda_graph_vision_warmup_patches``); None when the
+      buckets for that many patches (``train.cuda_graphs.vision_warmup_patches``); None when the
       encoder has no graphs.
 
     - ``build(model_cfg, parallel_cfg, params_dtype, pre_process=True, post_process=True,
@@ -93,6 +93,10 @@ class ModelFamily:
       transformers modules of its architectures).
     - ``hf_model_types``: the config.json ``model_type`` values ``hf_adapter`` reads (convert_hf
       import picks the family by them).
+    - ``processor_settings(folder, vision)`` -> {dotted ``data`` key: value} that the processor
+      files of a checkpoint folder (``data.tokenizer``) give: normalisation, pixel ranges, video
+      sampling; the trainer fills the keys a recipe left at their defaults. Raises ConfigError
+      where the files contradict ``vision`` (``m.vision``). The default reads nothing.
     """
 
     name: str
@@ -113,3 +117,4 @@ class ModelFamily:
     prepare_host_batch: Callable[..., None] | None = None
     hf_adapter: Callable[[], object] | None = None
     hf_model_types: tuple[str, ...] = ()
+    processor_settings: Callable[..., dict] = lambda folder, vision: {}

@@ -11,6 +11,7 @@ Unknown keys and badly typed values raise ``ConfigError`` naming the dotted fiel
 from __future__ import annotations
 
 import dataclasses
+import logging
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,8 +21,7 @@ from typing import Any
 import yaml
 
 from core.errors import ConfigError  # noqa: F401 - re-exported: callers import it from here
-from data.energon_config import EnergonConfig
-from data.registry import check_dataset_name
+from data.config import DataConfig, conversations_path  # noqa: F401 - DataConfig re-exported
 # the model and parallel sections live below the trainer, beside the model builder that reads them;
 # the model section's class is the one of the family model.name names (models.MODEL_REGISTRY)
 from models import DEFAULT_MODEL, get_hf_adapter, get_model_family
@@ -29,69 +29,51 @@ from models.common.attention import BACKENDS as ATTENTION_BACKENDS
 from models.common.model_config import ModelConfig
 from models.common.parallel_config import ParallelConfig
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
-class DataConfig:
-    name: str = "mock"
-    path: str | None = None
-    seed: int = 1234
-    pack: bool = True  # THD packing; false pads each sample to train.seq_length (BSHD)
-    num_samples: int = 100_000
-    min_images: int = 1
-    max_images: int = 3
-    min_image_side: int = 32  # pixels; multiples of patch_size * spatial_merge_size
-    max_image_side: int = 96
-    min_text_tokens: int = 16
-    max_text_tokens: int = 96
-    num_classes: int = 16  # mock: image classes, each with its own answer
-    # cord_v2 (and any tokenised data set)
-    tokenizer: str | None = None  # tokenizer dir; the model's special token ids are read from it
-    split: str = "train"
-    prompt: str | None = None  # user prompt beside the image; None: the data set's default
-    target_format: str = "json"  # json (gt_parse as JSON, key order kept) | donut (tags)
-    # dynamic resolution: each image is resized into this pixel-area range. Defaults: the released
-    # checkpoints' (Qwen3.5 preprocessor_config.json); a preprocessor_config.json beside
-    # data.tokenizer replaces a range left at these defaults, a value set in the recipe wins
-    min_pixels: int = 65_536
-    max_pixels: int = 16_777_216
-    # video parts of conversations (data/video.py). Defaults: the released checkpoints'
-    # video_preprocessor_config.json. A file is sampled at video_fps frames a second (a list of
-    # frames is taken as given at that rate), keeping video_min_frames..video_max_frames frames;
-    # all frames of a video are resized to one size with frames*height*width in
-    # [video_min_pixels, video_max_pixels] (the pixel budget of one video)
-    video_fps: float = 2.0
-    video_min_frames: int = 4
-    video_max_frames: int = 768
-    video_min_pixels: int = 4096
-    video_max_pixels: int = 25_165_824
-    # per-channel normalisation; read from preprocessor_config.json beside data.tokenizer when present
-    image_mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
-    image_std: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
-    max_bad_fraction: float = 0.1  # stop when more of the rows read than this are unusable
-    # conversations: image paths are relative to this folder (None: the data file's or datasets folder);
-    # system_prompt is put first in records without a system message
-    image_root: str | None = None
-    system_prompt: str | None = None
-    # micro-batches built ahead in a background thread; None: 2 on GPU, 0 on CPU (where the thread
-    # competes with the model for the cores, docs/data.md)
-    prefetch: int | None = None
-    # processes that decode/tokenise samples ahead of the trainer (0: in the training process);
-    # None: up to 4 per rank on a GPU, 0 on a CPU (data.loader.default_num_workers)
-    num_workers: int | None = None
-    # packing: rows are filled best-fit from the next this-many samples (the oldest always first,
-    # so none waits more than this many rows); 0 packs strictly in order. The 2B recipe's mock
-    # rows: 89.0% real tokens in order, 98.7% with 16 (scripts/bench_loader.py's pack_fill)
-    pack_lookahead: int = 16
-    # pad every packed sample to a multiple of this (null: what the layout needs: 2*cp, times tp
-    # under sequence parallelism); set it to compare runs of different layouts on identical rows
-    pad_multiple: int | None = None
-    # validation data (read when train.eval_interval > 0; multimodal/evaluation.py), the same kind
-    # of data set as `name`: conversations: valid_path is a held-out .json/.jsonl file or datasets folder (required);
-    # cord_v2: the valid_split split of valid_path (null: data.path); mock: the generator with seed
-    # data.seed + 1 (valid_path must stay null)
-    valid_path: str | None = None
-    valid_split: str = "validation"
-    energon: EnergonConfig = field(default_factory=EnergonConfig)  # data.name=energon (data/energon.py)
+class CudaGraphsConfig:
+    """Decoder layers replayed as CUDA graphs, forward and backward (models/performance/layer_graphs.py):
+    removes most of the host's kernel-launch time. GPU, packed rows, pp=tp=cp=1, no recompute.
+    MoE decoder layers stay eager (only the vision encoder's graphs run; recompute allowed)."""
+
+    enabled: bool = False
+    # samples per packed row (decoder) and images per micro-batch (vision) a graph holds; rows
+    # with more run eagerly (counted)
+    max_samples: int = 64
+    # The vision encoder too (where its family has graphs: ModelFamily.vision_graph_buckets): its
+    # input padded up to a bucket of patches (multiples of this many up to 8 of them, then 8 sizes
+    # per doubling: at most 1/8 padding), one graph pair per bucket. 0 = vision eager.
+    vision_bucket: int = 1024
+    vision_max_buckets: int = 24  # vision buckets captured at most; further sizes run eagerly (counted)
+    # Capture every vision bucket up to this many patches at the first micro-batch, so no later
+    # step stops to capture one (0 = capture each bucket when first seen; -1 = the most a
+    # micro-batch can hold, micro_batch_size x seq_length x spatial_merge_size^2).
+    vision_warmup_patches: int = 0
+    # The backward graphs add the parameter gradients into DDP's main_grad themselves (megatron's
+    # grad_added_to_main_grad convention), instead of returning static gradients that autograd
+    # copies and DDP's hook then adds in one launch per parameter. false: the latter.
+    grads_to_main_grad: bool = True
+
+    def __bool__(self) -> bool:
+        # TEMPORARY: multimodal/training.py still tests `train.cuda_graphs` as a bool; removed
+        # once it reads train.cuda_graphs.enabled
+        return self.enabled
+
+    def validate(self, spatial_merge_size: int) -> None:
+        """Its own fields, when graphs are on."""
+        if not self.enabled:
+            return
+        merge2 = spatial_merge_size**2
+        _require(self.max_samples >= 1, f"train.cuda_graphs.max_samples must be >= 1, got {self.max_samples}")
+        _require(self.vision_bucket >= 0 and self.vision_bucket % merge2 == 0,
+                 "train.cuda_graphs.vision_bucket must be 0 (vision eager) or a positive multiple of "
+                 f"model.vision.spatial_merge_size^2 = {merge2}, got {self.vision_bucket}")
+        _require(self.vision_max_buckets >= 1,
+                 f"train.cuda_graphs.vision_max_buckets must be >= 1, got {self.vision_max_buckets}")
+        _require(self.vision_warmup_patches >= -1, "train.cuda_graphs.vision_warmup_patches must be >= 0, "
+                 "or -1 for the most a micro-batch can hold")
 
 
 @dataclass
@@ -109,28 +91,9 @@ class TrainConfig:
     # selective activation recompute (multimodal/performance/recompute.py): core_attn, layernorm,
     # shared_experts, moe_act, gdn_qkv, gdn_norm_out; outputs and gradients unchanged bit for bit
     recompute_modules: list[str] = field(default_factory=list)
-    # Decoder layers replayed as CUDA graphs, forward and backward (models/performance/layer_graphs.py):
-    # removes most of the host's kernel-launch time. GPU, packed rows, pp=tp=cp=1, no recompute.
-    # MoE decoder layers stay eager (only the vision encoder's graphs run; recompute allowed).
-    # Rows with more samples than cuda_graph_max_samples run eagerly (counted).
-    cuda_graphs: bool = False
-    cuda_graph_max_samples: int = 64  # per packed row (decoder) and images per micro-batch (vision)
-    # The vision encoder too (where its family has graphs: models/qwen35_vl/vision_graphs.py): its
-    # input padded up to a bucket of patches (multiples of this many up to 8 of them, then 8 sizes
-    # per doubling: at most 1/8 padding), one graph pair per bucket, at most
-    # cuda_graph_vision_max_buckets of them (further sizes run eagerly, counted). 0 = eager.
-    cuda_graph_vision_bucket: int = 1024
-    cuda_graph_vision_max_buckets: int = 24
-    # Capture every vision bucket up to this many patches at the first micro-batch, so no later
-    # step stops to capture one (e.g. the largest row of images the data can make; 0 = capture
-    # each bucket when first seen; -1 = the most a micro-batch can hold, micro_batch_size x
-    # seq_length x spatial_merge_size^2, as each merged patch is a token of the row).
-    # At most cuda_graph_vision_max_buckets buckets.
-    cuda_graph_vision_warmup_patches: int = 0
-    # The backward graphs add the parameter gradients into DDP's main_grad themselves (megatron's
-    # grad_added_to_main_grad convention), instead of returning static gradients that autograd
-    # copies and DDP's hook then adds in one launch per parameter. false: the latter.
-    cuda_graph_grads_to_main_grad: bool = True
+    # decoder (and vision) layers replayed as CUDA graphs; `train.cuda_graphs: true|false` is
+    # shorthand for train.cuda_graphs.enabled
+    cuda_graphs: CudaGraphsConfig = field(default_factory=CudaGraphsConfig)
     # A step whose gradient norm is not finite (NaN/inf loss or gradients) never updates the
     # weights: the optimizer's kernels skip it on the device, no host sync (multimodal/nonfinite.py).
     # skip: count it and go on, stop after max_nonfinite_steps in a row; stop: stop at the first.
@@ -143,6 +106,27 @@ class TrainConfig:
     # once (rows past the set's end are blank, never repeats)
     eval_interval: int = 0
     eval_iters: int = 10
+
+    def validate(self) -> None:
+        for key in ("iters", "micro_batch_size", "global_batch_size", "seq_length"):
+            _require(getattr(self, key) >= 1, f"train.{key} must be >= 1, got {getattr(self, key)}")
+        _require(self.precision in ("auto", "bf16", "fp32"),
+                 f"train.precision must be auto|bf16|fp32, got {self.precision!r}")
+        _require(self.on_nonfinite in ("skip", "stop"),
+                 f"train.on_nonfinite must be skip|stop, got {self.on_nonfinite!r}")
+        _require(self.max_nonfinite_steps >= 1,
+                 f"train.max_nonfinite_steps must be >= 1, got {self.max_nonfinite_steps}")
+        _require(self.eval_interval >= 0, "train.eval_interval must be >= 0 (steps between evaluations; 0 = no "
+                                          f"validation), got {self.eval_interval}")
+        _require(self.eval_iters >= 1,
+                 f"train.eval_iters must be >= 1 (global batches per evaluation), got {self.eval_iters}")
+
+    # TEMPORARY: the old attribute names multimodal/training.py still reads; removed once it reads
+    # train.cuda_graphs.<field>
+    cuda_graph_max_samples = property(lambda self: self.cuda_graphs.max_samples)
+    cuda_graph_vision_bucket = property(lambda self: self.cuda_graphs.vision_bucket)
+    cuda_graph_vision_max_buckets = property(lambda self: self.cuda_graphs.vision_max_buckets)
+    cuda_graph_grads_to_main_grad = property(lambda self: self.cuda_graphs.grads_to_main_grad)
 
 
 @dataclass
@@ -175,6 +159,20 @@ class OptimizerConfig:
     overlap_step: bool | None = None
     overlap_step_pieces: int = 16  # parts the update is cut into, in forward order
 
+    def validate(self) -> None:
+        _require(self.overlap_step_pieces >= 1,
+                 f"optimizer.overlap_step_pieces must be >= 1, got {self.overlap_step_pieces}")
+        _require(self.lr_decay_style in ("cosine", "linear", "constant"),
+                 f"optimizer.lr_decay_style must be cosine|linear|constant, got {self.lr_decay_style!r}")
+        # each bound on its own first: a negative lr is reported as such, not as a min_lr problem
+        # lr = 0 is allowed: a run that must leave the weights as they are (checking a conversion)
+        _require(self.lr >= 0, f"optimizer.lr must be >= 0, got {self.lr}")
+        _require(self.min_lr >= 0, f"optimizer.min_lr must be >= 0, got {self.min_lr}")
+        _require(self.min_lr <= self.lr, f"optimizer.min_lr ({self.min_lr}) must be <= optimizer.lr ({self.lr})")
+        _require(not (self.overlap_step and self.flat is False),
+                 "optimizer.overlap_step=true runs flat AdamW's kernel on a second stream: set optimizer.flat to "
+                 "true or null, or optimizer.overlap_step to false or null")
+
 
 @dataclass
 class CheckpointConfig:
@@ -195,6 +193,13 @@ class CheckpointConfig:
     # a folder: the final checkpoint is also written there as Hugging Face safetensors (shards +
     # index + config.json, every rank writing its share), ready for from_pretrained or vLLM
     save_hf: str | None = None
+
+    def validate(self) -> None:
+        _require(self.interval >= 0, "checkpoint.interval must be >= 0 (0 = only at the end)")
+        _require(self.load != "latest" or self.dir is not None, "checkpoint.load=latest needs checkpoint.dir")
+        if self.save_hf:
+            _require(self.dir is not None and self.save_at_end, "checkpoint.save_hf writes the final "
+                     "checkpoint: it needs checkpoint.dir and checkpoint.save_at_end=true")
 
 
 @dataclass
@@ -223,6 +228,18 @@ class LoggingConfig:
     # kernel the GPU waited for (costs more host time in the profiled steps)
     profile_with_stack: bool = False
 
+    def validate(self) -> None:
+        _require(self.interval >= 1, f"logging.interval must be >= 1, got {self.interval}")
+        _require(self.memory_snapshot_step >= 1, "logging.memory_snapshot_step must be >= 1 (the step after which "
+                 f"the snapshot is written), got {self.memory_snapshot_step}")
+        _require(self.manual_gc_interval >= 0, "logging.manual_gc_interval must be >= 0 (0 keeps Python's "
+                 f"automatic GC), got {self.manual_gc_interval}")
+        _require(self.profile_step >= 0 and self.profile_num_steps >= 1,
+                 "logging.profile_step must be >= 0 (0 = off) and logging.profile_num_steps >= 1, got "
+                 f"{self.profile_step} and {self.profile_num_steps}")
+        _require(self.wandb_mode in (None, "offline", "online", "disabled"),
+                 f"logging.wandb_mode must be offline|online|disabled or null, got {self.wandb_mode!r}")
+
 
 @dataclass
 class Config:
@@ -247,8 +264,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like section.key=value")
-        _set_dotted(raw, key.strip(), _parse_yaml(value, f"override {item!r}") if value.strip() else None)
-    return _build(Config, raw, "")
+        parsed = _parse_yaml(value, f"override {item!r}") if value.strip() else None
+        _set_dotted(raw, _override_key(key.strip(), parsed), parsed)
+    return _build(Config, _upgrade(raw, "overrides"), "")
 
 
 def _read_recipe(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
@@ -264,12 +282,75 @@ def _read_recipe(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     raw = _parse_yaml(path.read_text(), str(path)) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
+    raw = _upgrade(raw, str(path))  # before the merge, so a base's section and a shorthand meet as mappings
     base = raw.pop("base", None)
     if base is None:
         return raw
     if not isinstance(base, str) or not base:
         raise ConfigError(f"{path}: base must be the path of a recipe relative to {path.parent}, got {base!r}")
     return _merge(_read_recipe(here.parent / base, (*chain, here)), raw)
+
+
+# ---------------------------------------------------------------- renamed keys
+
+# Keys that moved into a section, old dotted name -> new. Accepted for one release with a
+# one-line deprecation each (once per process); then this table goes.
+_MOCK_KEYS = ("num_samples", "min_images", "max_images", "min_image_side", "max_image_side", "min_text_tokens",
+              "max_text_tokens", "num_classes")
+RENAMED_KEYS: dict[str, str] = {
+    **{f"data.{k}": f"data.mock.{k}" for k in _MOCK_KEYS},
+    **{f"data.{k}": f"data.cord_v2.{k}" for k in ("prompt", "target_format")},
+    **{f"data.{k}": f"data.conversations.{k}" for k in ("image_root", "system_prompt")},
+    **{f"data.video_{k}": f"data.video.{k}" for k in ("fps", "min_frames", "max_frames", "min_pixels", "max_pixels")},
+    **{f"data.{k}": f"data.loader.{k}"
+       for k in ("num_workers", "prefetch", "pack_lookahead", "pad_multiple", "max_bad_fraction")},
+    **{f"train.cuda_graph_{k}": f"train.cuda_graphs.{k}"
+       for k in ("max_samples", "vision_bucket", "vision_max_buckets", "vision_warmup_patches", "grads_to_main_grad")},
+}
+# sections that may be written as a bool: shorthand for their `enabled` field
+SHORTHAND_SECTIONS = ("train.cuda_graphs",)
+_deprecations_logged: set[str] = set()
+
+
+def _new_key(old: str) -> str:
+    """The current name of a dotted key, logging the deprecation the first time an old one is used."""
+    new = RENAMED_KEYS.get(old)
+    if new is None:
+        return old
+    if old not in _deprecations_logged:
+        _deprecations_logged.add(old)
+        log.warning("%s is deprecated: use %s", old, new)
+    return new
+
+
+def _override_key(key: str, value: Any) -> str:
+    if key in SHORTHAND_SECTIONS and isinstance(value, bool):
+        return f"{key}.enabled"
+    return _new_key(key)
+
+
+def _upgrade(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    """A recipe's sections in the current layout: shorthand bools expanded, renamed keys moved
+    (in place). A key given in both forms is refused: the two would silently disagree."""
+    for dotted in SHORTHAND_SECTIONS:
+        section, sub = dotted.split(".")
+        node = raw.get(section)
+        if isinstance(node, dict) and isinstance(node.get(sub), bool):
+            node[sub] = {"enabled": node[sub]}
+    for section in ("data", "train"):
+        node = raw.get(section)
+        if not isinstance(node, dict):
+            continue
+        for key in [k for k in node if f"{section}.{k}" in RENAMED_KEYS]:
+            new = _new_key(f"{section}.{key}")
+            _, sub, leaf = new.split(".")
+            target = node.setdefault(sub, {})
+            if not isinstance(target, dict):
+                raise ConfigError(f"{where}: {new.rpartition('.')[0]} must be a mapping, got {target!r}")
+            if leaf in target:
+                raise ConfigError(f"{where}: {section}.{key} and {new} are both set; keep only {new}")
+            target[leaf] = node.pop(key)
+    return raw
 
 
 def _merge(under: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -379,45 +460,31 @@ def _require(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-def _conversations_path(path: str | None) -> bool:
-    """A .json / .jsonl file or a folder (datasets' arrow / parquet, or JSON files): data/record_sources.py."""
-    return bool(path) and (Path(path).is_dir() or (Path(path).suffix in (".json", ".jsonl") and Path(path).is_file()))
-
-
 def validate(cfg: Config, world_size: int = 1) -> None:
-    """Cross-field checks that need no model; raises ConfigError naming the field and fix."""
-    m, t, p, d, o = cfg.model, cfg.train, cfg.parallel, cfg.data, cfg.optimizer
-    for name, value in [
-        ("train.iters", t.iters), ("train.micro_batch_size", t.micro_batch_size),
-        ("train.global_batch_size", t.global_batch_size), ("train.seq_length", t.seq_length),
-        ("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp), ("parallel.ep", p.ep),
-        ("logging.interval", cfg.logging.interval), ("model.num_layers", m.num_layers),
-        ("model.hidden_size", m.hidden_size),
-        ("optimizer.overlap_step_pieces", o.overlap_step_pieces),
-    ]:
-        _require(value >= 1, f"{name} must be >= 1, got {value}")
-    _require(cfg.checkpoint.interval >= 0, "checkpoint.interval must be >= 0 (0 = only at the end)")
-    if t.cuda_graphs:
-        from models.performance.layer_graphs import refusal
+    """Start-up checks that need no model: each section's own rules, then those across sections.
+    Raises ConfigError naming the field and the fix."""
+    m, t, p, d = cfg.model, cfg.train, cfg.parallel, cfg.data
+    for section in (d, t, cfg.optimizer, cfg.checkpoint, cfg.logging):
+        section.validate()
+    t.cuda_graphs.validate(m.vision.spatial_merge_size)
+    _validate_model(m)
+    _validate_parallel(cfg, world_size)
+    validate_layout(m, p)
+    _validate_graphs(cfg)
+    _validate_recompute(cfg)
+    _validate_images(m, d)
+    validate_eval(t, d)
+    if p.moe_a2a_overlap:
+        validate_moe_a2a_overlap(cfg)
+    if cfg.checkpoint.save_hf:
+        _require(get_model_family(m.name).hf_adapter is not None,
+                 f"checkpoint.save_hf: model.name={m.name} has no Hugging Face adapter; unset checkpoint.save_hf")
 
-        why = refusal(cfg)
-        _require(why is None, f"train.cuda_graphs: {why}")
-        _require(t.cuda_graph_max_samples >= 1, "train.cuda_graph_max_samples must be >= 1")
-        merge2 = m.vision.spatial_merge_size**2
-        _require(t.cuda_graph_vision_bucket >= 0 and t.cuda_graph_vision_bucket % merge2 == 0,
-                 f"train.cuda_graph_vision_bucket must be 0 (vision eager) or a positive multiple of "
-                 f"model.vision.spatial_merge_size^2 = {merge2}, got {t.cuda_graph_vision_bucket}")
-        _require(t.cuda_graph_vision_max_buckets >= 1, "train.cuda_graph_vision_max_buckets must be >= 1")
-        _require(t.cuda_graph_vision_warmup_patches >= -1,
-                 "train.cuda_graph_vision_warmup_patches must be >= 0, or -1 for the most a micro-batch can hold")
-        buckets = get_model_family(m.name).vision_graph_buckets
-        warmup = vision_warmup_patches(cfg)
-        if warmup and t.cuda_graph_vision_bucket and buckets is not None:
-            n = len(buckets(warmup, t.cuda_graph_vision_bucket))
-            _require(n <= t.cuda_graph_vision_max_buckets,
-                     f"train.cuda_graph_vision_warmup_patches={t.cuda_graph_vision_warmup_patches} needs {n} vision "
-                     f"buckets (up to {warmup} patches), more than train.cuda_graph_vision_max_buckets="
-                     f"{t.cuda_graph_vision_max_buckets}; raise that or lower the warm-up")
+
+def _validate_model(m: ModelConfig) -> None:
+    """The model section's fields every family has (the family's own rules: validate_layout)."""
+    for key in ("num_layers", "hidden_size"):
+        _require(getattr(m, key) >= 1, f"model.{key} must be >= 1, got {getattr(m, key)}")
     if m.freeze:
         from multimodal.freeze import check_freeze
 
@@ -428,82 +495,26 @@ def validate(cfg: Config, world_size: int = 1) -> None:
 
         why = check_lora(m.lora)
         _require(why is None, f"model.lora.{why}")
-    if t.recompute_modules:
-        from multimodal.performance.recompute import check_modules
+    special = [m.image_token_id, m.video_token_id, m.vision_start_token_id, m.vision_end_token_id, m.im_start_token_id,
+               m.im_end_token_id, m.eos_token_id, m.pad_token_id]
+    _require(all(0 <= s < m.vocab_size for s in special),
+             f"special token ids {special} must lie inside model.vocab_size ({m.vocab_size})")
+    # a tokenizer keeps its special ids together; a video id far from the image id is the default
+    # left behind in a recipe with a real vocabulary, where it is an ordinary text token
+    _require(abs(m.video_token_id - m.image_token_id) < 256,
+             f"model.video_token_id={m.video_token_id} is far from model.image_token_id={m.image_token_id}; set "
+             "data.tokenizer (which sets both), or model.video_token_id to the tokenizer's video placeholder id, "
+             "or read the model from model.hf_config")
 
-        why = check_modules(t.recompute_modules, p.cp)
-        _require(why is None, f"train.recompute_modules: {why}")
-        has = get_model_family(m.name).recompute_modules
-        lacking = [name for name in t.recompute_modules if name not in has]
-        _require(not lacking, f"train.recompute_modules: model.name={m.name} has no {lacking}; choose from {list(has)}")
-    _require(cfg.logging.memory_snapshot_step >= 1,
-             f"logging.memory_snapshot_step must be >= 1 (the step after which the snapshot is written), "
-             f"got {cfg.logging.memory_snapshot_step}")
-    _require(cfg.logging.manual_gc_interval >= 0,
-             f"logging.manual_gc_interval must be >= 0 (0 keeps Python's automatic GC), "
-             f"got {cfg.logging.manual_gc_interval}")
-    _require(cfg.logging.profile_step >= 0 and cfg.logging.profile_num_steps >= 1,
-             f"logging.profile_step must be >= 0 (0 = off) and logging.profile_num_steps >= 1, got "
-             f"{cfg.logging.profile_step} and {cfg.logging.profile_num_steps}")
-    _require(t.precision in ("auto", "bf16", "fp32"), f"train.precision must be auto|bf16|fp32, got {t.precision!r}")
-    check_dataset_name(d.name)
-    if d.name == "conversations":
-        _require(_conversations_path(d.path),
-                 f"data.name=conversations needs data.path: an existing .json or .jsonl file or datasets folder, "
-                 f"got {d.path!r}")
-        _require(bool(d.tokenizer), "data.name=conversations needs data.tokenizer (a tokenizer directory)")
-        _require(d.image_root is None or Path(d.image_root).is_dir(),
-                 f"data.image_root={d.image_root!r} is not a folder (null: the data file's folder)")
-    if d.name == "cord_v2":
-        _require(bool(d.path), "data.name=cord_v2 needs data.path (the CORD-v2 folder of parquet files)")
-        _require(Path(d.path).exists(), f"data.path={d.path!r} does not exist (data.name=cord_v2 reads a folder of "
-                 "parquet files, e.g. scripts/make_synthetic_cord.py's output); point data.path at it")
-        _require(bool(d.tokenizer), "data.name=cord_v2 needs data.tokenizer (a tokenizer directory)")
-    validate_eval(t, d)
-    _require(d.target_format in ("json", "donut"), f"data.target_format must be json|donut, got {d.target_format!r}")
-    _require(0.0 <= d.max_bad_fraction <= 1.0, "data.max_bad_fraction must be in [0, 1]")
-    unit = m.vision.patch_size * m.vision.spatial_merge_size
-    _require(unit**2 <= d.max_pixels and 1 <= d.min_pixels <= d.max_pixels,
-             f"data.min_pixels ({d.min_pixels}) and data.max_pixels ({d.max_pixels}) need "
-             f"1 <= min_pixels <= max_pixels and max_pixels >= (patch_size*merge)^2 = {unit**2}")
-    _require(d.prefetch is None or d.prefetch >= 0,
-             "data.prefetch must be >= 0 (0 disables the background loader thread) or null (auto)")
-    _require(d.video_fps > 0 and 1 <= d.video_min_frames <= d.video_max_frames,
-             f"data.video_fps ({d.video_fps}) must be > 0 and 1 <= data.video_min_frames ({d.video_min_frames}) "
-             f"<= data.video_max_frames ({d.video_max_frames})")
-    _require(1 <= d.video_min_pixels <= d.video_max_pixels,
-             f"data.video_min_pixels ({d.video_min_pixels}) must be in [1, data.video_max_pixels ({d.video_max_pixels})]")
-    _require(len(d.image_mean) == 3 and len(d.image_std) == 3 and all(x > 0 for x in d.image_std),
-             "data.image_mean and data.image_std need 3 values (RGB), std > 0")
-    _require(d.pad_multiple is None or d.pad_multiple >= 1, "data.pad_multiple must be >= 1 or null (auto)")
-    _require(d.num_workers is None or d.num_workers >= 0,
-             "data.num_workers must be >= 0 (0 reads samples in the training process) or null (auto)")
-    _require(d.pack_lookahead >= 0, "data.pack_lookahead must be >= 0 (0 packs samples strictly in order)")
-    _require(o.lr_decay_style in ("cosine", "linear", "constant"),
-             f"optimizer.lr_decay_style must be cosine|linear|constant, got {o.lr_decay_style!r}")
-    # each bound on its own first: a negative lr is reported as such, not as a min_lr problem
-    # lr = 0 is allowed: a run that must leave the weights as they are (checking a conversion)
-    _require(o.lr >= 0, f"optimizer.lr must be >= 0, got {o.lr}")
-    _require(o.min_lr >= 0, f"optimizer.min_lr must be >= 0, got {o.min_lr}")
-    _require(o.min_lr <= o.lr, f"optimizer.min_lr ({o.min_lr}) must be <= optimizer.lr ({o.lr})")
-    _require(t.on_nonfinite in ("skip", "stop"), f"train.on_nonfinite must be skip|stop, got {t.on_nonfinite!r}")
-    _require(t.max_nonfinite_steps >= 1, f"train.max_nonfinite_steps must be >= 1, got {t.max_nonfinite_steps}")
-    _require(cfg.logging.wandb_mode in (None, "offline", "online", "disabled"),
-             f"logging.wandb_mode must be offline|online|disabled or null, got {cfg.logging.wandb_mode!r}")
-    _require(not (o.overlap_step and o.flat is False),
-             "optimizer.overlap_step=true runs flat AdamW's kernel on a second stream: set optimizer.flat to "
-             "true or null, or optimizer.overlap_step to false or null")
-    _require(not (o.overlap_step and p.use_distributed_optimizer),
+
+def _validate_parallel(cfg: Config, world_size: int) -> None:
+    """The parallel layout against the world size, the batch, the rows and the optimizer."""
+    t, p = cfg.train, cfg.parallel
+    for key in ("tp", "pp", "cp", "ep"):
+        _require(getattr(p, key) >= 1, f"parallel.{key} must be >= 1, got {getattr(p, key)}")
+    _require(not (cfg.optimizer.overlap_step and p.use_distributed_optimizer),
              "optimizer.overlap_step=true: the distributed optimizer all-gathers the parameters right after "
              "its step, so the step cannot run behind the next forward; set optimizer.overlap_step=null or false")
-    _require(cfg.checkpoint.load != "latest" or cfg.checkpoint.dir is not None,
-             "checkpoint.load=latest needs checkpoint.dir")
-    if cfg.checkpoint.save_hf:
-        _require(cfg.checkpoint.dir is not None and cfg.checkpoint.save_at_end,
-                 "checkpoint.save_hf writes the final checkpoint: it needs checkpoint.dir and checkpoint.save_at_end=true")
-        _require(get_model_family(cfg.model.name).hf_adapter is not None,
-                 f"checkpoint.save_hf: model.name={cfg.model.name} has no Hugging Face adapter; unset checkpoint.save_hf")
-
     model_parallel = p.tp * p.pp * p.cp
     _require(world_size % model_parallel == 0,
              f"world size {world_size} is not divisible by parallel.tp*pp*cp = {model_parallel}; "
@@ -512,7 +523,7 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
              f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
              f"train.micro_batch_size ({t.micro_batch_size}) x data-parallel size ({dp})")
-    if d.pack:
+    if cfg.data.pack:
         _require(t.micro_batch_size == 1,
                  "data.pack=true builds one packed row of train.seq_length tokens per micro-batch; "
                  "set train.micro_batch_size=1 (raise train.seq_length for more tokens per micro-batch)")
@@ -525,54 +536,70 @@ def validate(cfg: Config, world_size: int = 1) -> None:
     if p.pp > 1:
         # megatron splits the decoder evenly (get_num_layers_to_build); the vision encoder and the
         # embedding ride on the first stage, the output layer and the loss on the last.
-        _require(m.num_layers % p.pp == 0,
-                 f"model.num_layers ({m.num_layers}) must be divisible by parallel.pp ({p.pp}) (every "
+        _require(cfg.model.num_layers % p.pp == 0,
+                 f"model.num_layers ({cfg.model.num_layers}) must be divisible by parallel.pp ({p.pp}) (every "
                  "pipeline stage gets num_layers/pp decoder layers); choose a pp that divides it")
 
-    validate_layout(m, p)
-    if p.moe_a2a_overlap:
-        validate_moe_a2a_overlap(cfg)
-    v = m.vision
-    unit = v.patch_size * v.spatial_merge_size
-    _require(d.min_image_side % unit == 0 and d.max_image_side % unit == 0,
-             f"data.min_image_side/max_image_side must be multiples of patch_size*spatial_merge_size = {unit}")
-    _require(1 <= d.min_images <= d.max_images, "data.min_images must be in [1, data.max_images]")
-    special = [m.image_token_id, m.video_token_id, m.vision_start_token_id, m.vision_end_token_id, m.im_start_token_id,
-               m.im_end_token_id, m.eos_token_id, m.pad_token_id]
-    _require(all(0 <= s < m.vocab_size for s in special),
-             f"special token ids {special} must lie inside model.vocab_size ({m.vocab_size})")
-    # a tokenizer keeps its special ids together; a video id far from the image id is the default
-    # left behind in a recipe with a real vocabulary, where it is an ordinary text token
-    _require(abs(m.video_token_id - m.image_token_id) < 256,
-             f"model.video_token_id={m.video_token_id} is far from model.image_token_id={m.image_token_id}; set it "
-             "to the tokenizer's <|video_pad|> id (Qwen3.5: 248057) or read the model from model.hf_config")
+
+def _validate_graphs(cfg: Config) -> None:
+    """train.cuda_graphs against the rest of the run: what the graphs cannot replay, and the
+    vision buckets its warm-up needs."""
+    g = cfg.train.cuda_graphs
+    if not g.enabled:
+        return
+    from models.performance.layer_graphs import refusal
+
+    why = refusal(cfg)
+    _require(why is None, f"train.cuda_graphs: {why}")
+    buckets = get_model_family(cfg.model.name).vision_graph_buckets
+    warmup = vision_warmup_patches(cfg)
+    if warmup and g.vision_bucket and buckets is not None:
+        n = len(buckets(warmup, g.vision_bucket))
+        _require(n <= g.vision_max_buckets,
+                 f"train.cuda_graphs.vision_warmup_patches={g.vision_warmup_patches} needs {n} vision buckets (up to "
+                 f"{warmup} patches), more than train.cuda_graphs.vision_max_buckets={g.vision_max_buckets}; "
+                 "raise that or lower the warm-up")
+
+
+def _validate_recompute(cfg: Config) -> None:
+    modules, m = cfg.train.recompute_modules, cfg.model
+    if not modules:
+        return
+    from multimodal.performance.recompute import check_modules
+
+    why = check_modules(modules, cfg.parallel.cp)
+    _require(why is None, f"train.recompute_modules: {why}")
+    has = get_model_family(m.name).recompute_modules
+    lacking = [name for name in modules if name not in has]
+    _require(not lacking, f"train.recompute_modules: model.name={m.name} has no {lacking}; choose from {list(has)}")
+
+
+def _validate_images(m: ModelConfig, d: DataConfig) -> None:
+    """The data's image sizes against the model's patch geometry."""
+    unit = m.vision.patch_size * m.vision.spatial_merge_size
+    _require(unit**2 <= d.max_pixels, f"data.max_pixels ({d.max_pixels}) must be >= (patch_size*merge)^2 = {unit**2}")
+    _require(d.mock.min_image_side % unit == 0 and d.mock.max_image_side % unit == 0,
+             f"data.mock.min_image_side/max_image_side must be multiples of patch_size*spatial_merge_size = {unit}")
 
 
 def vision_warmup_patches(cfg: Config) -> int:
-    """train.cuda_graph_vision_warmup_patches with -1 resolved: every merged patch is one token of
+    """train.cuda_graphs.vision_warmup_patches with -1 resolved: every merged patch is one token of
     the row, so no micro-batch holds more than micro_batch_size x seq_length x merge^2 patches."""
     t = cfg.train
-    if t.cuda_graph_vision_warmup_patches >= 0:
-        return t.cuda_graph_vision_warmup_patches
+    if t.cuda_graphs.vision_warmup_patches >= 0:
+        return t.cuda_graphs.vision_warmup_patches
     return t.micro_batch_size * t.seq_length * cfg.model.vision.spatial_merge_size**2
 
 
 def validate_eval(t: TrainConfig, d: DataConfig) -> None:
-    """train.eval_interval / eval_iters and the validation data they read."""
-    _require(t.eval_interval >= 0, f"train.eval_interval must be >= 0 (steps between evaluations; 0 = no "
-                                   f"validation), got {t.eval_interval}")
-    _require(t.eval_iters >= 1, f"train.eval_iters must be >= 1 (global batches per evaluation), got {t.eval_iters}")
-    _require(d.valid_path is None or d.name != "mock",
-             f"data.valid_path={d.valid_path!r} is for conversations and cord_v2 data; mock validation draws "
-             "its own held-out samples (seed data.seed + 1): set data.valid_path=null")
+    """The validation data train.eval_interval reads (the counts are TrainConfig.validate's)."""
     if not t.eval_interval:
         return
     if d.name == "conversations":
-        vp = d.valid_path
-        _require(_conversations_path(vp),
+        _require(conversations_path(d.valid_path),
                  f"train.eval_interval={t.eval_interval} with data.name=conversations needs data.valid_path: an "
-                 f"existing .json or .jsonl file or datasets folder of held-out conversations, got {vp!r} (or set "
-                 "train.eval_interval=0)")
+                 f"existing .json or .jsonl file or datasets folder of held-out conversations, got {d.valid_path!r} "
+                 "(or set train.eval_interval=0)")
     if d.name == "cord_v2":
         _require(bool(d.valid_split), "data.valid_split must name the cord_v2 split to validate on (e.g. validation)")
 
@@ -647,57 +674,22 @@ def resolve_sources(cfg: Config) -> Config:
 
         for key, value in special_token_ids(load_tokenizer(cfg.data)).items():
             setattr(cfg.model, key, value)
-        _read_image_processor(cfg)
-        _read_video_processor(cfg)
+        _fill_from_processor_files(cfg)
     return cfg
 
 
-def _read_video_processor(cfg: Config) -> None:
-    """A checkpoint's video_preprocessor_config.json (beside the tokenizer): its sampling rate, frame
-    range and per-video pixel range, for the data.video_* keys the recipe left at their defaults."""
-    path = Path(cfg.data.tokenizer) / "video_preprocessor_config.json"
-    if not path.is_file():
-        return
-    import json
-
-    pre = json.loads(path.read_text())
-    size = pre.get("size") if isinstance(pre.get("size"), dict) else {}
-    found = {"video_fps": pre.get("fps"), "video_min_frames": pre.get("min_frames"),
-             "video_max_frames": pre.get("max_frames"), "video_min_pixels": size.get("shortest_edge"),
-             "video_max_pixels": size.get("longest_edge")}
+def _fill_from_processor_files(cfg: Config) -> None:
+    """The data keys the checkpoint's processor files (beside data.tokenizer) give, as the model
+    family reads them, for each key the recipe left at its default: a value set in the recipe wins."""
+    found = get_model_family(cfg.model.name).processor_settings(cfg.data.tokenizer, cfg.model.vision)
     defaults = DataConfig()
-    for key, value in found.items():
-        if value is not None and getattr(cfg.data, key) == getattr(defaults, key):
-            setattr(cfg.data, key, type(getattr(defaults, key))(value))
-
-
-def _read_image_processor(cfg: Config) -> None:
-    """A checkpoint's preprocessor_config.json (beside the tokenizer) fixes normalisation and patching:
-    take its mean/std, and refuse patch sizes that disagree with model.vision (silently wrong inputs)."""
-    path = Path(cfg.data.tokenizer) / "preprocessor_config.json"
-    if not path.is_file():
-        return
-    import json
-
-    pre = json.loads(path.read_text())
-    pre = pre.get("image_processor", pre)  # some checkpoints nest it
-    v = cfg.model.vision
-    for key, ours in (("patch_size", v.patch_size), ("temporal_patch_size", v.temporal_patch_size),
-                      ("merge_size", v.spatial_merge_size)):
-        if key in pre and int(pre[key]) != ours:
-            raise ConfigError(f"{path} has {key}={pre[key]} but the model's vision config has {ours}; "
-                              "point data.tokenizer at the matching checkpoint or fix model.vision")
-    for key in ("image_mean", "image_std"):
-        if key in pre:
-            setattr(cfg.data, key, [float(x) for x in pre[key]])
-    # the pixel range: Qwen3-VL/3.5 files name it size.shortest_edge/longest_edge (areas, not
-    # sides), Qwen2-VL files min_pixels/max_pixels
-    size = pre.get("size") if isinstance(pre.get("size"), dict) else {}
-    defaults = DataConfig()
-    for key, names in (("min_pixels", ("shortest_edge", "min_pixels")), ("max_pixels", ("longest_edge", "max_pixels"))):
-        found = [size[n] for n in names if n in size] + ([pre[key]] if key in pre else [])
-        if found and getattr(cfg.data, key) == getattr(defaults, key):
-            setattr(cfg.data, key, int(found[0]))
+    for dotted, value in found.items():
+        *path, leaf = dotted.split(".")
+        section, default = cfg.data, defaults
+        for part in path:
+            section, default = getattr(section, part), getattr(default, part)
+        if getattr(section, leaf) == getattr(default, leaf):
+            setattr(section, leaf, value)
 
 
 def config_to_yaml(cfg: Config) -> str:

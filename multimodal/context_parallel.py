@@ -100,4 +100,4 @@ def sequence_pad_multiple(cfg) -> int:
     into 2*cp chunks, and sequence parallelism splits each rank's tokens over tp."""
     p = cfg.parallel
     need = (2 * p.cp if p.cp > 1 else 1) * (p.tp if p.sequence_parallel and p.tp > 1 else 1)
-    return math.lcm(need, cfg.data.pad_multiple or 1)
+    return math.lcm(need, cfg.data.loader.pad_multiple or 1)

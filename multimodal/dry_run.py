@@ -208,9 +208,10 @@ def image_fraction(cfg: Config) -> float:
     d, v = cfg.data, cfg.model.vision
     unit = v.patch_size * v.spatial_merge_size
     if d.name == "mock":
-        side = (d.min_image_side + d.max_image_side) / 2 / unit
-        img = (d.min_images + d.max_images) / 2 * side**2
-        return img / (img + (d.min_text_tokens + d.max_text_tokens) / 2)
+        g = d.mock
+        side = (g.min_image_side + g.max_image_side) / 2 / unit
+        img = (g.min_images + g.max_images) / 2 * side**2
+        return img / (img + (g.min_text_tokens + g.max_text_tokens) / 2)
     img = (d.min_pixels + d.max_pixels) / 2 / unit**2
     return img / (img + 256)
 

@@ -205,7 +205,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", default="mrope,pre_gdr,swiglu", help="a subset of mrope,pre_gdr,swiglu")
     ap.add_argument("--pad-samples", type=int, default=0,
                     help="pad pre-GDR's cu_seqlens with empty segments up to this many samples, as "
-                         "train.cuda_graphs does (train.cuda_graph_max_samples, 64)")
+                         "train.cuda_graphs does (train.cuda_graphs.max_samples, 64)")
     ap.add_argument("--device", default="cuda", help="cpu only for a smoke run under TRITON_INTERPRET=1")
     args = ap.parse_args(argv)
     global DEV, MODELS

@@ -10,7 +10,7 @@ Compare ``row_s`` with the GPU step time to see whether the loader keeps ahead o
 files (half each) of random sizes are written to a temporary folder, then each is decoded
 (``data.image.open_image``) and resized and patchified at the recipe's ``data.min_pixels`` /
 ``data.max_pixels`` (``data.image.image_patches``), timed apart. Workers are processes, so the
-loader's rate is about this one times ``data.num_workers`` while cores last.
+loader's rate is about this one times ``data.loader.num_workers`` while cores last.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True)
     ap.add_argument("--rows", type=int, default=20)
-    ap.add_argument("--workers", type=int, default=None, help="data.num_workers (default: the recipe's)")
+    ap.add_argument("--workers", type=int, default=None, help="data.loader.num_workers (default: the recipe's)")
     ap.add_argument("--images", type=int, default=0, help="time decode + resize of N real image files instead")
     ap.add_argument("--sides", default="224,4000", help="--images: min,max side in pixels")
     ap.add_argument("overrides", nargs="*")
@@ -41,7 +41,7 @@ def main(argv=None) -> int:
         print(json.dumps({"config": args.config, **image_file_rates(cfg, args.images, lo, hi)}))
         return 0
     if args.workers is not None:
-        cfg.data.num_workers = args.workers
+        cfg.data.loader.num_workers = args.workers
     m, t = cfg.model, cfg.train
     ds = build_dataset(m, cfg.data, t.seq_length)
     it = MicroBatchIterator.from_config(ds, m, cfg.data, t)
@@ -54,10 +54,10 @@ def main(argv=None) -> int:
     print(json.dumps({
         "config": args.config, "data": cfg.data.name, "seq_length": t.seq_length, "rows": args.rows,
         "samples_per_s": (it.seen - start_seen) / elapsed, "rows_per_s": args.rows / elapsed,
-        "row_s": elapsed / args.rows, "real_tokens_per_s": tokens / elapsed, "workers": cfg.data.num_workers,
+        "row_s": elapsed / args.rows, "real_tokens_per_s": tokens / elapsed, "workers": cfg.data.loader.num_workers,
         # real (non-pad) share of the packed rows' tokens
         "pack_fill": tokens / (args.rows * t.seq_length) if cfg.data.pack else None,
-        "pack_lookahead": cfg.data.pack_lookahead,
+        "pack_lookahead": cfg.data.loader.pack_lookahead,
     }))
     return 0
 

@@ -55,7 +55,7 @@ LARGE = [
     "model.full_attention_interval=1",
     # a few long samples per 8K row (the mock default packs ~80 short ones): MoE-bound, not
     # bound by per-sample launches of the varlen attention / vision encoder
-    "data.min_text_tokens=1500", "data.max_text_tokens=2000", "data.max_images=1",
+    "data.mock.min_text_tokens=1500", "data.mock.max_text_tokens=2000", "data.mock.max_images=1",
     "optimizer.lr=3e-4", "optimizer.min_lr=3e-5",  # the proxy's 3e-3 makes this width's loss spike
 ]
 

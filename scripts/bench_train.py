@@ -646,7 +646,7 @@ def _summary(r: dict) -> None:
               + ("" if eager is None else f"; {eager:.0%} of the timed steps ran some layers eagerly, "
                  f"{r.get('graph_capture_s') or 0:.1f} s of graph capture in the run"), file=sys.stderr)
     if r.get("data_wait_s_per_step"):
-        print(f"        {r['data_wait_s_per_step']:.3f} s per step waiting for the loader (data.num_workers "
+        print(f"        {r['data_wait_s_per_step']:.3f} s per step waiting for the loader (data.loader.num_workers "
               "adds decode processes)", file=sys.stderr)
     if r.get("graph_captures_in_timed_steps"):
         print(f"        ({r['graph_captures_in_timed_steps']} CUDA graph capture(s) inside the timed steps: "

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["train.seq_length=128", "train.global_batch_size=1", "data.min_image_side=32", "data.max_image_side=64",
-        "data.max_images=1", "data.min_text_tokens=8", "data.max_text_tokens=24", "logging.peak_tflops=1.0"]
+TINY = ["train.seq_length=128", "train.global_batch_size=1", "data.mock.min_image_side=32", "data.mock.max_image_side=64",
+        "data.mock.max_images=1", "data.mock.min_text_tokens=8", "data.mock.max_text_tokens=24", "logging.peak_tflops=1.0"]
 
 
 def _bench(tmp_path, *args):

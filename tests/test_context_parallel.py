@@ -177,10 +177,10 @@ def test_context_parallel_matches_one_process(tmp_path, cp, layout, overrides):
 def test_trainer_with_cp2_logs_the_losses_of_one_process(tmp_path):
     """The proxy recipe, unchanged but parallel.cp=2, on 2 processes: same losses step by step
     (the weights start equal: CP ranks are replicas and the init does not depend on cp)."""
-    common = ("train.iters=3", "train.seq_length=256", "data.max_image_side=64", "data.max_text_tokens=48",
+    common = ("train.iters=3", "train.seq_length=256", "data.mock.max_image_side=64", "data.mock.max_text_tokens=48",
               "checkpoint.dir=null", "model.attention_backend=sdpa", "model.gdn_backend=torch")
     # same row packing in both runs: every sample padded to a multiple of 4 (what cp=2 needs)
-    single = _train(tmp_path / "one", *common, "parallel.cp=1", "data.pad_multiple=4")
+    single = _train(tmp_path / "one", *common, "parallel.cp=1", "data.loader.pad_multiple=4")
     parallel = _train(tmp_path / "two", *common, "parallel.cp=2", nproc=2)
     for step in single:
         assert abs(parallel[step]["loss"] - single[step]["loss"]) < 1e-4, (step, single, parallel)

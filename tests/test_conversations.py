@@ -17,7 +17,7 @@ from data.chat import encode_conversation, special_token_ids
 from data.record_sources import JsonlRecords
 from data.tiny_tokenizer import build_tiny_tokenizer
 from models.qwen35_vl.config import ModelConfig
-from multimodal.config import DataConfig
+from data.config import ConversationsConfig, DataConfig
 
 SEQ = 1024
 PIXELS = dict(min_pixels=1024, max_pixels=16384)  # small images keep each test at a second or two
@@ -137,7 +137,7 @@ def test_datasets_folders_read_as_the_jsonl(tmp_path, model_cfg, tok):
     parquet_dir.mkdir()
     share_ds.to_parquet(str(parquet_dir / "train-00000.parquet"))
 
-    _same_samples(_ds(chat_dir, model_cfg, tok, image_root=str(tmp_path)),
+    _same_samples(_ds(chat_dir, model_cfg, tok, conversations=ConversationsConfig(image_root=str(tmp_path))),
                   _ds(_jsonl(tmp_path / "chat.jsonl", chat), model_cfg, tok))
     share_jsonl = _ds(_jsonl(tmp_path / "share.jsonl", share), model_cfg, tok)
     _same_samples(_ds(share_dir, model_cfg, tok), share_jsonl)
@@ -181,7 +181,8 @@ def test_system_prompt_and_image_root(tmp_path, model_cfg, tok):
                         {"role": "assistant", "content": "Hello"}]}
     path = _jsonl(tmp_path / "d.jsonl", [rec])
     assert _ds(path, model_cfg, tok)[0] is None  # x.png is not beside the file
-    ds = _ds(path, model_cfg, tok, image_root=str(tmp_path / "imgs"), system_prompt="Be brief.")
+    ds = _ds(path, model_cfg, tok, conversations=ConversationsConfig(image_root=str(tmp_path / "imgs"),
+                                                          system_prompt="Be brief."))
     text = tok.decode(ds[0]["input_ids"].tolist())
     assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n<|vision_start|>")
 
@@ -222,9 +223,9 @@ def test_config_names_the_field(tmp_path, tok_dir):
         validate(load_config(None, ["data.name=conversations", f"data.path={tmp_path / 'none.csv'}",
                                     f"data.tokenizer={tok_dir}"]))
     path = _jsonl(tmp_path / "d.jsonl", [])
-    with pytest.raises(ConfigError, match="data.image_root"):
+    with pytest.raises(ConfigError, match="data.conversations.image_root"):
         validate(load_config(None, ["data.name=conversations", f"data.path={path}", f"data.tokenizer={tok_dir}",
-                                    f"data.image_root={tmp_path / 'nowhere'}"]))
+                                    f"data.conversations.image_root={tmp_path / 'nowhere'}"]))
     with pytest.raises(ConfigError, match="needs data.tokenizer"):
         validate(load_config(None, ["data.name=conversations", f"data.path={path}"]))
 

@@ -348,7 +348,7 @@ def test_preprocessor_config_sets_normalisation_and_rejects_other_patching(tmp_p
 
 
 def test_worker_processes_give_the_same_batches_skips_and_resume_state(cord, model_cfg, tok):
-    """data.num_workers=2 decodes rows in other processes; batches, skip counts and the resume
+    """data.loader.num_workers=2 decodes rows in other processes; batches, skip counts and the resume
     index must be exactly those of the in-process loader."""
     from data.loader import MicroBatchIterator
 

@@ -84,7 +84,7 @@ def test_mock_sample_structure(ds):
         assert s["loss_mask"].dtype == torch.float32
         assert torch.equal(s["labels"][:-1], ids[1:]) and s["labels"][-1] == -100
         grids = s["image_grid_thw"]
-        assert D.min_images <= len(grids) <= D.max_images
+        assert D.mock.min_images <= len(grids) <= D.mock.max_images
         assert int((ids == M.image_token_id).sum()) == int((grids.prod(1) // MERGE**2).sum())
         assert s["pixel_values"].shape == (int(grids.prod(1).sum()), 3 * 2 * 16 * 16)
         assert torch.equal(s["position_ids"], mrope_position_ids(ids, grids, M.image_token_id, MERGE))
@@ -119,7 +119,7 @@ def test_sample_that_cannot_fit_raises():
     with pytest.raises(ValueError, match=r"mock sample 0: .*train\.seq_length=10"):
         MockDataset(M, D, 10)[0]
     # text shrinks to fit when the images fit
-    small = MockDataset(M, dataclasses.replace(D, min_text_tokens=90, max_text_tokens=96), 64)
+    small = MockDataset(M, dataclasses.replace(D, mock=dataclasses.replace(D.mock, min_text_tokens=90, max_text_tokens=96)), 64)
     assert all(len(small[i]["input_ids"]) <= 64 for i in range(10))
 
 
@@ -211,7 +211,7 @@ def _same(a, b):
 
 @pytest.mark.parametrize("pack", [True, False])
 def test_loader_resume(pack):
-    small = MockDataset(M, dataclasses.replace(D, num_samples=13), S)  # small: wraps around
+    small = MockDataset(M, dataclasses.replace(D, mock=dataclasses.replace(D.mock, num_samples=13)), S)  # small: wraps around
     mbs = 1 if pack else 2
     it = _iterator(small, pack, rank=1, dp=2, mbs=mbs)
     for _ in range(5):
@@ -303,7 +303,7 @@ def test_build_dataset():
 def test_image_class_is_visible(ds):
     """The learnable signal: an image's class is recoverable from its pixels (mean colour)."""
     rng = np.random.default_rng(0)
-    for c in range(D.num_classes):
+    for c in range(D.mock.num_classes):
         mean = ds._image(rng, c, 32, 64).mean(dim=(1, 2)).numpy()
         assert int(np.argmin(np.linalg.norm(ds.colours - mean, axis=1))) == c
 
@@ -316,7 +316,7 @@ def test_prefetcher_prepares_each_batch_in_its_thread_and_the_vision_geometry_is
     thread, so the encoder's call on the training thread computes nothing new."""
     import threading
 
-    from data.prefetch import Prefetcher
+    from data.loader.prefetch import Prefetcher
     from models import get_model_family
     from models.qwen35_vl import vision_geometry as vg
 
@@ -346,7 +346,7 @@ def test_prefetcher_prepares_each_batch_in_its_thread_and_the_vision_geometry_is
 
 
 def test_prefetcher_yields_the_same_batches_and_reports_consumed_state(ds):
-    from data.prefetch import Prefetcher
+    from data.loader.prefetch import Prefetcher
 
     def loader():
         return MicroBatchIterator(ds, S, M.pad_token_id, M.image_token_id, MERGE, True, 1, 0, 1)
@@ -366,7 +366,7 @@ def test_prefetcher_counts_the_time_the_trainer_waits_for_a_slow_loader():
     """data_wait_s: a loader slower than the trainer shows as waiting; batches built ahead do not."""
     import time
 
-    from data.prefetch import Prefetcher
+    from data.loader.prefetch import Prefetcher
 
     class Slow:
         def __init__(self, delay):
@@ -396,7 +396,7 @@ def test_prefetcher_counts_the_time_the_trainer_waits_for_a_slow_loader():
 
 
 def test_prefetcher_raises_loader_errors_in_the_trainer():
-    from data.prefetch import Prefetcher
+    from data.loader.prefetch import Prefetcher
 
     class Broken:
         def state_dict(self):
@@ -434,9 +434,9 @@ def test_mock_text_never_holds_a_special_id_of_a_real_vocabulary():
     recipe's ids a stray placeholder in the text would not match the sample's vision grids."""
     from multimodal.config import load_config
 
-    cfg = load_config("configs/qwen35_vl_2b.yaml", ["data.max_image_side=224", "data.min_image_side=224",
-                                                   "train.seq_length=512", "data.min_text_tokens=64",
-                                                   "data.max_text_tokens=256"])
+    cfg = load_config("configs/qwen35_vl_2b.yaml", ["data.mock.max_image_side=224", "data.mock.min_image_side=224",
+                                                   "train.seq_length=512", "data.mock.min_text_tokens=64",
+                                                   "data.mock.max_text_tokens=256"])
     m = cfg.model
     ds = MockDataset(m, cfg.data, cfg.train.seq_length)
     for i in range(8):
@@ -447,7 +447,7 @@ def test_mock_text_never_holds_a_special_id_of_a_real_vocabulary():
 
 
 def test_default_decode_workers_follow_the_cores_of_each_gpu_rank(monkeypatch):
-    """data.num_workers: null -> up to 4 workers per GPU rank, two cores left to the trainer; none on CPU."""
+    """data.loader.num_workers: null -> up to 4 workers per GPU rank, two cores left to the trainer; none on CPU."""
     import os
 
     from data.loader import default_num_workers

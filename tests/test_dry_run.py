@@ -337,14 +337,14 @@ def test_sbatch_starts_one_torchrun_per_node(tmp_path):
     env = {**_env(), "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": str(bin_dir / "python"),
            "SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_ID": "9", "SLURM_JOB_NAME": "j", "SLURM_JOB_NUM_NODES": "2",
            "SLURM_JOB_NODELIST": "gpu-[a-b]", "DRY_RUN": "0", "RUN_ROOT": str(tmp_path / "runs")}
-    proc = subprocess.run(["bash", "scripts/slurm/qwen35_vl_35b_a3b.sbatch", "train.iters=5", "data.prompt=a b"],
+    proc = subprocess.run(["bash", "scripts/slurm/qwen35_vl_35b_a3b.sbatch", "train.iters=5", "data.cord_v2.prompt=a b"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     argv = (tmp_path / "argv").read_text().splitlines()
     run_dir = tmp_path / "runs" / "j-9"
     assert argv[:2] == ["-m", "torch.distributed.run"]
     for arg in ["--nnodes=2", "--node-rank=1", "--nproc-per-node=8", "--master-addr=gpu-a", "--master-port=29500",
-                "pretrain_multimodal.py", "configs/qwen35_vl_35b_a3b.yaml", "train.iters=5", "data.prompt=a b",
+                "pretrain_multimodal.py", "configs/qwen35_vl_35b_a3b.yaml", "train.iters=5", "data.cord_v2.prompt=a b",
                 f"logging.dir={run_dir}", f"checkpoint.dir={run_dir}/checkpoints"]:
         assert arg in argv, (arg, argv)
     assert (run_dir / "logs").is_dir()

@@ -23,7 +23,7 @@ from multimodal.config import ConfigError, load_config, validate
 
 PROXY = "configs/qwen35_vl_proxy.yaml"
 # a few seconds a step on 2 CPU cores; two rows per step, so a global batch is two micro-batches
-TINY = ["train.seq_length=256", "train.global_batch_size=2", "data.max_image_side=64", "data.max_text_tokens=48",
+TINY = ["train.seq_length=256", "train.global_batch_size=2", "data.mock.max_image_side=64", "data.mock.max_text_tokens=48",
         "logging.progress_bar=false", "logging.tensorboard=false", "logging.interval=1"]
 
 
@@ -94,8 +94,8 @@ def test_each_validation_sample_counts_once_per_pass(monkeypatch, pack, lookahea
 
     from multimodal import evaluation
 
-    cfg = load_config(PROXY, [*TINY, "train.eval_interval=1", "train.eval_iters=4", "data.num_samples=3",
-                              f"data.pack={str(pack).lower()}", f"data.pack_lookahead={lookahead}"])
+    cfg = load_config(PROXY, [*TINY, "train.eval_interval=1", "train.eval_iters=4", "data.mock.num_samples=3",
+                              f"data.pack={str(pack).lower()}", f"data.loader.pack_lookahead={lookahead}"])
     data = evaluation.valid_data_config(cfg.data)
     dataset = evaluation.build_dataset(cfg.model, data, cfg.train.seq_length)
     ev = evaluation.Evaluator.__new__(evaluation.Evaluator)

@@ -119,7 +119,7 @@ def test_freeze_pp2_matches_one_process_and_frozen_weights_stay_bit_identical(tm
     (LORA, ["parallel.cp=2"]),
 ], ids=["freeze_tp2_sp", "lora_cp2"])
 def test_tp2_and_cp2_match_one_process(tmp_path, base_init, tuning, layout):
-    common = [*PACKED, *tuning, f"checkpoint.load={base_init}", "data.pad_multiple=4"]
+    common = [*PACKED, *tuning, f"checkpoint.load={base_init}", "data.loader.pad_multiple=4"]
     ref = _run(tmp_path / "ref", DENSE, *common)
     got = _run(tmp_path / "two", DENSE, *common, *layout, nproc=2)
     _compare(ref, got, "+".join([*tuning, *layout]))

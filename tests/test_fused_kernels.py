@@ -211,8 +211,8 @@ def _proxy_loss_and_grads(overrides):
 
     # one GDN and one attention layer, one small image: the interpreter runs every kernel op in numpy
     cfg = load_config(str(ROOT / "configs/qwen35_vl_proxy.yaml"),
-                      ["model.num_layers=2", "model.full_attention_interval=2", "data.max_text_tokens=24",
-                       "data.max_images=1", "data.max_image_side=32", *overrides])
+                      ["model.num_layers=2", "model.full_attention_interval=2", "data.mock.max_text_tokens=24",
+                       "data.mock.max_images=1", "data.mock.max_image_side=32", *overrides])
     seed_everything(0)
     model = get_model_builder(cfg.model.name)(cfg.model, cfg.parallel, torch.float32)
     m = cfg.model

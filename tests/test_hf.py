@@ -109,8 +109,8 @@ def test_training_starts_from_converted_weights_and_its_checkpoint_exports(tmp_p
     _run("scripts/convert_hf.py", "import", "--hf-dir", str(hf_dir), "--out", str(ckpt))
     _run("pretrain_multimodal.py", "--config", "configs/qwen35_vl_proxy.yaml", f"model.hf_config={hf_dir}",
          f"checkpoint.load={ckpt}", f"checkpoint.dir={tmp_path / 'trained'}", f"logging.dir={tmp_path / 'log'}",
-         "logging.progress_bar=false", "train.iters=2", "train.seq_length=256", "data.max_image_side=64",
-         "data.max_text_tokens=48", "model.im_start_token_id=504", "model.im_end_token_id=505",
+         "logging.progress_bar=false", "train.iters=2", "train.seq_length=256", "data.mock.max_image_side=64",
+         "data.mock.max_text_tokens=48", "model.im_start_token_id=504", "model.im_end_token_id=505",
          "model.eos_token_id=506", "model.pad_token_id=507", "optimizer.lr=0", "optimizer.min_lr=0")
     rows = [json.loads(x) for x in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
@@ -124,8 +124,8 @@ def test_training_starts_from_converted_weights_and_its_checkpoint_exports(tmp_p
     _run("pretrain_multimodal.py", "--config", "configs/qwen35_vl_proxy.yaml", f"checkpoint.load={hf_dir}",
          f"checkpoint.dir={tmp_path / 'direct'}", f"logging.dir={tmp_path / 'log_direct'}",
          f"checkpoint.save_hf={tmp_path / 'saved_hf'}",
-         "logging.progress_bar=false", "train.iters=2", "train.seq_length=256", "data.max_image_side=64",
-         "data.max_text_tokens=48", "model.im_start_token_id=504", "model.im_end_token_id=505",
+         "logging.progress_bar=false", "train.iters=2", "train.seq_length=256", "data.mock.max_image_side=64",
+         "data.mock.max_text_tokens=48", "model.im_start_token_id=504", "model.im_end_token_id=505",
          "model.eos_token_id=506", "model.pad_token_id=507", "optimizer.lr=0", "optimizer.min_lr=0")
     direct = [json.loads(x) for x in (tmp_path / "log_direct" / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in direct] == [r["loss"] for r in rows]

@@ -39,7 +39,7 @@ def test_static_batch_pads_segments_and_chunk_table():
     many = torch.arange(0, 385, 32, dtype=torch.int32)  # 12 samples > 8
     crowded = PackedRowParams(qkv_format="thd", cu_seqlens_q=many, cu_seqlens_q_padded=many,
                               gdn_varlen=GDNVarlen.from_host(many, "cpu"))
-    assert "cuda_graph_max_samples=8" in static.refusal(crowded, rope)
+    assert "cuda_graphs.max_samples=8" in static.refusal(crowded, rope)
 
 
 def _setup(overrides=()):
@@ -121,7 +121,7 @@ def test_rows_that_do_not_fit_run_eagerly_and_are_counted(mcore):
     graphs = layer_graphs.graph_decoder_layers(model.language_model, max_samples=3, graph_factory=layer_graphs.EagerStandIn)
     losses, grads = accumulate(ddp, model, batches)
     assert graphs.graphed_batches == 2
-    assert graphs.eager_batches == {"more than train.cuda_graph_max_samples=3 samples in a row": 1}
+    assert graphs.eager_batches == {"more than train.cuda_graphs.max_samples=3 samples in a row": 1}
     for a, b in zip(losses, eager_losses):
         assert torch.equal(a, b)
     for name, g in eager_grads.items():
@@ -284,7 +284,7 @@ def test_fine_tuning_controls_replay_the_eager_gradients(mcore, tuning):
 
 
 def test_vision_buckets_captured_up_front_serve_every_later_batch(mcore):
-    """train.cuda_graph_vision_warmup_patches: the first micro-batch captures every bucket up to
+    """train.cuda_graphs.vision_warmup_patches: the first micro-batch captures every bucket up to
     the limit on synthetic rows; the real batches then only replay, with the eager results."""
     from models.qwen35_vl.vision_graphs import bucket_sizes
 
@@ -322,8 +322,8 @@ def test_micro_batches_of_many_images_replay_buckets_with_more_segment_slots(mco
 
 def test_config_checks_the_vision_warmup():
     cfg = load_config("configs/qwen35_vl_proxy.yaml", ["train.cuda_graphs=true",
-                                                       "train.cuda_graph_vision_warmup_patches=40000"])
-    with pytest.raises(ConfigError, match="needs 26 vision buckets .* more than train.cuda_graph_vision_max_buckets=24"):
+                                                       "train.cuda_graphs.vision_warmup_patches=40000"])
+    with pytest.raises(ConfigError, match="needs 26 vision buckets .* more than train.cuda_graphs.vision_max_buckets=24"):
         validate(cfg)
 
 
@@ -333,14 +333,14 @@ def test_vision_warmup_of_minus_one_covers_the_largest_row():
     from multimodal.config import vision_warmup_patches
 
     cfg = load_config("configs/qwen35_vl_proxy.yaml", ["train.cuda_graphs=true",
-                                                       "train.cuda_graph_vision_warmup_patches=-1"])
+                                                       "train.cuda_graphs.vision_warmup_patches=-1"])
     validate(cfg)
     assert vision_warmup_patches(cfg) == 1 * 512 * 2**2
-    cfg = load_config("configs/qwen35_vl_2b.yaml", ["train.cuda_graph_vision_warmup_patches=-1",
+    cfg = load_config("configs/qwen35_vl_2b.yaml", ["train.cuda_graphs.vision_warmup_patches=-1",
                                                     "train.seq_length=16384"])
     with pytest.raises(ConfigError, match=r"needs 32 vision buckets \(up to 65536 patches\)"):
         validate(cfg)
-    cfg = load_config("configs/qwen35_vl_proxy.yaml", ["train.cuda_graphs=true", "train.cuda_graph_vision_warmup_patches=-2"])
+    cfg = load_config("configs/qwen35_vl_proxy.yaml", ["train.cuda_graphs=true", "train.cuda_graphs.vision_warmup_patches=-2"])
     with pytest.raises(ConfigError, match="must be >= 0, or -1"):
         validate(cfg)
 
@@ -354,8 +354,8 @@ def test_vision_micro_batches_that_do_not_fit_run_eagerly_and_are_counted(mcore)
     losses, grads = accumulate(ddp, model, batches)
     assert graphs.graphed_batches == 1 and list(graphs.buckets) == [(64, 4)]
     assert graphs.eager_batches == {
-        "a 32-patch bucket beyond train.cuda_graph_vision_max_buckets=1 (raise it or train.cuda_graph_vision_bucket)": 1,
-        "more than train.cuda_graph_max_samples=4 attention segments (images, video frame pairs) in a micro-batch": 1}
+        "a 32-patch bucket beyond train.cuda_graphs.vision_max_buckets=1 (raise it or train.cuda_graphs.vision_bucket)": 1,
+        "more than train.cuda_graphs.max_samples=4 attention segments (images, video frame pairs) in a micro-batch": 1}
     for a, b in zip(losses, eager_losses):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     _assert_rounding_close(grads, eager_grads)
@@ -364,6 +364,6 @@ def test_vision_micro_batches_that_do_not_fit_run_eagerly_and_are_counted(mcore)
 
 
 def test_config_checks_the_vision_bucket():
-    cfg = load_config("configs/qwen35_vl_proxy.yaml", ["train.cuda_graphs=true", "train.cuda_graph_vision_bucket=30"])
-    with pytest.raises(ConfigError, match="cuda_graph_vision_bucket must be 0"):
+    cfg = load_config("configs/qwen35_vl_proxy.yaml", ["train.cuda_graphs=true", "train.cuda_graphs.vision_bucket=30"])
+    with pytest.raises(ConfigError, match="cuda_graphs.vision_bucket must be 0"):
         validate(cfg)

@@ -128,7 +128,7 @@ def test_manual_gc_off_leaves_the_collector_alone(tmp_path):
 def test_training_runs_with_memory_tools_on_cpu(tmp_path):
     env_cmd = [sys.executable, "pretrain_multimodal.py", "--config", "configs/qwen35_vl_proxy.yaml",
                f"logging.dir={tmp_path}", "logging.progress_bar=false", "train.iters=2", "train.seq_length=256",
-               "train.global_batch_size=1", "data.max_image_side=64", "data.max_text_tokens=48",
+               "train.global_batch_size=1", "data.mock.max_image_side=64", "data.mock.max_text_tokens=48",
                "checkpoint.dir=null", "logging.memory_history=true", "logging.manual_gc_interval=1"]
     import os
 

@@ -86,7 +86,7 @@ def _model_and_batch(overrides=()):
     from multimodal.config import load_config
     from core.seeding import seed_everything
 
-    cfg = load_config(MOE, ["train.seq_length=256", "data.max_image_side=64", "model.attention_backend=sdpa",
+    cfg = load_config(MOE, ["train.seq_length=256", "data.mock.max_image_side=64", "model.attention_backend=sdpa",
                             "model.gdn_backend=torch", "model.moe_aux_loss_coeff=0.1", *overrides])
     seed_everything(0)
     model = get_model_builder(cfg.model.name)(cfg.model, cfg.parallel, torch.float32)
@@ -257,7 +257,7 @@ def test_overlap_accepted_and_passed_to_megatron():
 
 STEPS = 3
 TRAIN = [f"train.iters={STEPS}", "train.seq_length=256", "train.global_batch_size=4", "parallel.ep=2",
-         "train.precision=bf16", "data.max_image_side=64", "checkpoint.dir=null", "logging.progress_bar=false",
+         "train.precision=bf16", "data.mock.max_image_side=64", "checkpoint.dir=null", "logging.progress_bar=false",
          "logging.tensorboard=false", "model.attention_backend=sdpa", "model.gdn_backend=torch"]
 # Observed on 2 CPU cores: identical losses and grad norms at every step (|diff| = 0), as in the
 # fp32 one-process test above: the overlapped schedule runs the same kernels on the same inputs

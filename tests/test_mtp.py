@@ -241,7 +241,7 @@ def test_proxy_run_logs_a_falling_mtp_loss(tmp_path):
            f"logging.dir={tmp_path}", "logging.progress_bar=false", "logging.tensorboard=true",
            "checkpoint.dir=null", "model.mtp_num_layers=1", "train.iters=8", "train.seq_length=256",
            "train.global_batch_size=1",
-           "data.max_image_side=64", "data.max_text_tokens=48"]
+           "data.mock.max_image_side=64", "data.mock.max_text_tokens=48"]
     proc = subprocess.run(cmd, cwd=root, env={**env, "PYTHONPATH": str(root)}, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -39,12 +39,12 @@ GRAD_NORM_RTOL = 2e-3
 
 # several samples per packed row (TP, PP); sequence parallelism pads every sample to a multiple
 # of tp, so every run of this group pads to 2 and all of them see identical rows
-PACKED = ["train.seq_length=256", "train.global_batch_size=2", "data.max_image_side=64",
-          "data.max_text_tokens=48", "data.pad_multiple=2"]
+PACKED = ["train.seq_length=256", "train.global_batch_size=2", "data.mock.max_image_side=64",
+          "data.mock.max_text_tokens=48", "data.loader.pad_multiple=2"]
 # exactly one sample per packed row (DP, EP): lengths in [78, 120] for these settings
 ONE_PER_ROW_SEQ = 144
-ONE_PER_ROW = [f"train.seq_length={ONE_PER_ROW_SEQ}", "train.global_batch_size=4", "data.max_image_side=64",
-               "data.min_text_tokens=64", "data.max_text_tokens=80"]
+ONE_PER_ROW = [f"train.seq_length={ONE_PER_ROW_SEQ}", "train.global_batch_size=4", "data.mock.max_image_side=64",
+               "data.mock.min_text_tokens=64", "data.mock.max_text_tokens=80"]
 COMMON = [f"train.iters={STEPS}", "checkpoint.dir=null", "logging.progress_bar=false",
           "logging.tensorboard=false", "model.attention_backend=sdpa", "model.gdn_backend=torch"]
 

@@ -9,7 +9,7 @@ import pytest
 
 from test_parallel import DENSE, MOE, PACKED, _compare, _run, _save_init_weights
 
-ROWS = [o for o in PACKED if not o.startswith("data.pad_multiple")] + ["data.pad_multiple=8"]
+ROWS = [o for o in PACKED if not o.startswith("data.loader.pad_multiple")] + ["data.loader.pad_multiple=8"]
 # tp*cp = 4 must divide the GDN key heads (per TP rank, heads are then split over CP)
 HEADS = ["model.linear_num_key_heads=4", "model.linear_num_value_heads=8"]
 

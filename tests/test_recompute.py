@@ -97,7 +97,7 @@ def test_recompute_memory_script_measures_each_module(mcore):
     """scripts/recompute_memory.py: activation bytes per recompute choice, on the CPU."""
     from scripts.recompute_memory import measure
 
-    result = measure("configs/qwen35_vl_proxy.yaml", ["train.seq_length=384", "data.max_text_tokens=96"],
+    result = measure("configs/qwen35_vl_proxy.yaml", ["train.seq_length=384", "data.mock.max_text_tokens=96"],
                      torch.float32)
     rows = result["choices"]
     assert set(rows) == {"none", "layernorm", "gdn_qkv", "gdn_norm_out", "core_attn",

@@ -64,7 +64,7 @@ tr._Window.add = add
 from multimodal.config import load_config
 cfg = load_config("configs/qwen35_vl_proxy.yaml", ["train.iters=4", "logging.interval=1", "logging.dir={tmp_path}",
     "logging.tensorboard=false", "logging.progress_bar=false", "checkpoint.dir=null", "train.seq_length=256",
-    "data.max_image_side=64"])
+    "data.mock.max_image_side=64"])
 tr.train(cfg)
 """
     proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=600)

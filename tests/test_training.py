@@ -67,12 +67,12 @@ def test_second_family_trains_through_the_same_entry_point(tmp_path):
 @pytest.mark.parametrize("optimizer", [["optimizer.flat=null"], ["optimizer.flat=true"],
                                        ["optimizer.flat=true", "optimizer.overlap_step=true"]])
 def test_resume_reproduces_the_uninterrupted_run(tmp_path, optimizer):
-    # data.prefetch=2: checkpoints must record the batches consumed, not the ones built ahead.
+    # data.loader.prefetch=2: checkpoints must record the batches consumed, not the ones built ahead.
     # optimizer.flat=true: the moments are views of flat buffers, re-bound after the load.
     # optimizer.overlap_step=true: the save waits for the update; the resumed run learns the
     # forward order again and skips no zeroing it should not (its first step zeroes as usual).
     common = ["train.seq_length=256", "train.global_batch_size=1", "train.iters=20",
-              "data.max_image_side=64", "data.max_text_tokens=48", "data.prefetch=2", *optimizer]
+              "data.mock.max_image_side=64", "data.mock.max_text_tokens=48", "data.loader.prefetch=2", *optimizer]
     full = _train(tmp_path / "full", *common, f"checkpoint.dir={tmp_path / 'ck_full'}", "checkpoint.interval=10")
     first = _train(tmp_path / "a", *common, "train.iters=10", "optimizer.decay_iters=20",
                    f"checkpoint.dir={tmp_path / 'ck'}")
@@ -90,7 +90,7 @@ def test_flat_adamw_checkpoint_resumes_without_it(tmp_path):
     views of flat buffers) resumes in a run without it: the same format as torch's AdamW. The two
     AdamW paths differ in the last bits, so the resumed losses match to rounding, not exactly."""
     common = ["train.seq_length=256", "train.global_batch_size=1", "train.iters=12",
-              "data.max_image_side=64", "data.max_text_tokens=48"]
+              "data.mock.max_image_side=64", "data.mock.max_text_tokens=48"]
     full = _train(tmp_path / "full", *common, "optimizer.flat=false")
     _train(tmp_path / "a", *common, "train.iters=6", "optimizer.decay_iters=12", "optimizer.flat=true",
            f"checkpoint.dir={tmp_path / 'ck'}")
@@ -104,15 +104,15 @@ def test_flat_adamw_checkpoint_resumes_without_it(tmp_path):
 
 def test_torchrun_data_parallel_on_cpu(tmp_path):
     rows = _train(tmp_path, "train.iters=4", "train.global_batch_size=2", "train.seq_length=256",
-                  "data.max_image_side=64", "data.max_text_tokens=48", "checkpoint.dir=null", nproc=2)
+                  "data.mock.max_image_side=64", "data.mock.max_text_tokens=48", "checkpoint.dir=null", nproc=2)
     assert sorted(rows) == [1, 2, 3, 4]
     assert rows[4]["loss"] < rows[1]["loss"]
 
 
 def test_wandb_offline_and_parameter_norm(tmp_path):
     pytest.importorskip("wandb")
-    rows = _train(tmp_path, "train.iters=2", "train.seq_length=256", "data.max_image_side=64",
-                  "data.max_text_tokens=48", "checkpoint.dir=null", "logging.wandb=true")
+    rows = _train(tmp_path, "train.iters=2", "train.seq_length=256", "data.mock.max_image_side=64",
+                  "data.mock.max_text_tokens=48", "checkpoint.dir=null", "logging.wandb=true")
     assert list((tmp_path / "wandb").glob("offline-run-*"))
     assert rows[2]["param_norm"] > 0
 

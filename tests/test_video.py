@@ -20,14 +20,14 @@ from data.chat import special_token_ids
 from data.tiny_tokenizer import build_tiny_tokenizer
 from data.video import decode_video, frame_timestamps, video_patches
 from models.qwen35_vl.config import ModelConfig
-from multimodal.config import DataConfig
+from data.config import DataConfig, VideoConfig
 
 av = pytest.importorskip("av")
 pytest.importorskip("torchvision")  # transformers' video processor resizes with it
 
 TEMPLATE = (Path(__file__).parent / "fixtures" / "qwen35_chat_template.jinja").read_text()
 P, TP, M = 16, 2, 2
-BUDGET = dict(video_min_pixels=4096, video_max_pixels=60_000)  # a few hundred video tokens at most
+BUDGET = dict(min_pixels=4096, max_pixels=60_000)  # a few hundred video tokens at most
 
 
 def make_video(n: int = 9, h: int = 60, w: int = 84, fps: int = 4, seed: int = 0) -> bytes:
@@ -151,7 +151,8 @@ def write_video_set(out: Path) -> list[dict]:
 def dataset(path: Path, tok, **overrides):
     from data.conversations import ConversationsDataset
 
-    d = DataConfig(name="conversations", path=str(path), min_pixels=1024, max_pixels=16384, **{**BUDGET, **overrides})
+    d = DataConfig(name="conversations", path=str(path), min_pixels=1024, max_pixels=16384,
+                   video=VideoConfig(**{**BUDGET, **overrides}))
     return ConversationsDataset(ModelConfig(vocab_size=512, **special_token_ids(tok)), d, 4096, tok)
 
 
@@ -162,7 +163,7 @@ def hf_processor(tok):
     images = Qwen2VLImageProcessorPil(patch_size=P, temporal_patch_size=TP, merge_size=M, image_mean=[0.5] * 3,
                                       image_std=[0.5] * 3, min_pixels=1024, max_pixels=16384)
     return Qwen3VLProcessor(image_processor=images, tokenizer=tok,
-                            video_processor=hf_video_processor(BUDGET["video_max_pixels"]), chat_template=TEMPLATE)
+                            video_processor=hf_video_processor(BUDGET["max_pixels"]), chat_template=TEMPLATE)
 
 
 def hf_inputs(processor, record: dict, root: Path):
@@ -243,7 +244,7 @@ def test_collate_and_inspect_carry_video_grids(tmp_path, tok, tok_dir, capsys):
         pack_thd([bad], n + 8, 0, vision_ids, M)
     rc = inspect_main(["--config", "configs/qwen35_vl_proxy_cord.yaml", "--num", "2", "--json",
                        "data.name=conversations", f"data.path={path}", f"data.tokenizer={tok_dir}",
-                       "data.max_pixels=16384", "data.video_max_pixels=60000"])
+                       "data.max_pixels=16384", "data.video.max_pixels=60000"])
     assert rc == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["video_grid_thw"] for r in rows] == [s["video_grid_thw"].tolist() for s in samples]
@@ -300,8 +301,9 @@ def test_video_settings_come_from_the_checkpoints_video_preprocessor_config(tmp_
     (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(
         {"fps": 1, "min_frames": 2, "max_frames": 64, "size": {"shortest_edge": 8192, "longest_edge": 1_000_000},
          "video_processor_type": "Qwen3VLVideoProcessor"}))
-    d = resolve_sources(load_config(None, [f"data.tokenizer={tmp_path}", "data.video_max_frames=32"])).data
-    assert (d.video_fps, d.video_min_frames, d.video_max_frames, d.video_min_pixels, d.video_max_pixels) == \
+    d = resolve_sources(load_config(None, [f"data.tokenizer={tmp_path}", "data.video.max_frames=32"])).data
+    v = d.video
+    assert (v.fps, v.min_frames, v.max_frames, v.min_pixels, v.max_pixels) == \
            (1.0, 2, 32, 8192, 1_000_000)
 
 

@@ -127,7 +127,7 @@ def test_proxy_trains_on_images_and_a_short_video(tmp_path):
         [sys.executable, "pretrain_multimodal.py", "--config", "configs/qwen35_vl_proxy.yaml",
          "data.name=conversations", f"data.path={train}", f"data.valid_path={valid}",
          f"data.tokenizer={tmp_path / 'tok'}", "data.min_pixels=1024", "data.max_pixels=16384",
-         "data.video_max_pixels=16384", "train.seq_length=256", "train.iters=6",
+         "data.video.max_pixels=16384", "train.seq_length=256", "train.iters=6",
          "train.eval_interval=3", "train.eval_iters=2", "checkpoint.dir=null", f"logging.dir={tmp_path / 'log'}",
          "logging.progress_bar=false"],
         cwd=root, env=env, capture_output=True, text=True, timeout=600)

@@ -79,7 +79,7 @@ class ModelConfig:
     # the fused LM head) or lookup (word embedding, index_add_), models/performance/wgrad_fusion.py,
     # instead of a bf16 gradient plus a separate add per weight (dense [vocab, hidden] for the
     # embedding). null = on where it measured faster: with train.cuda_graphs and
-    # cuda_graph_grads_to_main_grad on a GPU; off otherwise (eager it measured slower; step
+    # train.cuda_graphs.grads_to_main_grad on a GPU; off otherwise (eager it measured slower; step
     # times in docs/kernels.md). true = on (exact fp32
     # accumulation of every weight gradient), or an error where it cannot run.
     grad_accum_fusion: bool | None = None

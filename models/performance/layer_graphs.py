@@ -84,7 +84,7 @@ class StaticBatch:
             return "MRoPE input of another shape"
         samples = segment_boundaries(params).numel() - 1
         if samples > self.max_samples:
-            return f"more than train.cuda_graph_max_samples={self.max_samples} samples in a row"
+            return f"more than train.cuda_graphs.max_samples={self.max_samples} samples in a row"
         varlen = params.gdn_varlen
         if varlen is None:
             return "no GDN chunk table (the model family's packed_row_extras builds one for packed rows)"

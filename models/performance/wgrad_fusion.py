@@ -20,7 +20,7 @@ its GEMM. With tied weights both go into the one shared ``main_grad`` and autogr
 placeholder: nothing dense is summed, copied or added.
 
 Eager, it measures slower; under CUDA graphs that add the other gradients into main_grad inside
-the graph (``train.cuda_graph_grads_to_main_grad``) it measures faster (step times in
+the graph (``train.cuda_graphs.grads_to_main_grad``) it measures faster (step times in
 docs/kernels.md). So ``null`` turns it on exactly there.
 """
 

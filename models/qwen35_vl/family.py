@@ -7,6 +7,7 @@ from __future__ import annotations
 from models.family import ModelFamily
 from models.qwen35_vl import flops, param_counts
 from models.qwen35_vl.config import ModelConfig
+from models.qwen35_vl.processor_files import processor_settings
 from models.qwen35_vl.validate import validate
 
 
@@ -80,6 +81,7 @@ FAMILY = ModelFamily(
     packed_row_extras=_packed_row_extras,
     prepare_host_batch=_prepare_host_batch,
     hf_adapter=_hf_adapter,
+    processor_settings=processor_settings,
     # top level of a vision-language config.json; the _text types: a text-only config, which
     # model_config_from_hf reads as well
     hf_model_types=("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"),

@@ -178,7 +178,7 @@ class VisionGraphs:
     def _capture_up_front(self, like: torch.Tensor, angles) -> None:
         """Capture every bucket up to ``warmup_patches`` now, on synthetic rows shaped like ``like``
         (one attention segment, positions 0), so later steps never stop to capture
-        (``train.cuda_graph_vision_warmup_patches``). Only the ``FEW_SEGMENTS`` slots: a
+        (``train.cuda_graphs.vision_warmup_patches``). Only the ``FEW_SEGMENTS`` slots: a
         micro-batch of more images is captured when it comes."""
         limit, self.warmup_patches = self.warmup_patches, 0
         # largest first: the buckets share one memory pool, and each capture frees its activations
@@ -215,11 +215,11 @@ class VisionGraphs:
             return "not training (no grad or eval mode)"
         if geo.cu_seqlens.numel() - 1 > self.max_images:
             # a segment is an image or one frame pair of a video (attention stays within it)
-            return (f"more than train.cuda_graph_max_samples={self.max_images} attention segments (images, "
+            return (f"more than train.cuda_graphs.max_samples={self.max_images} attention segments (images, "
                     "video frame pairs) in a micro-batch")
         if key is not None and key not in self.buckets and len(self.buckets) >= self.max_buckets:
-            return (f"a {key[0]}-patch bucket beyond train.cuda_graph_vision_max_buckets={self.max_buckets} "
-                    "(raise it or train.cuda_graph_vision_bucket)")
+            return (f"a {key[0]}-patch bucket beyond train.cuda_graphs.vision_max_buckets={self.max_buckets} "
+                    "(raise it or train.cuda_graphs.vision_bucket)")
         return None
 
     def _try_capture(self, x, angles, geo, key: tuple[int, int]):

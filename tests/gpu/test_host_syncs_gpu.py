@@ -11,7 +11,7 @@ only reads the loop means to make, the log row's (``training._emit``: the previo
 numbers, through events, one step behind), run with the check off.
 
 Variants: eager layers, and CUDA graphs with every vision bucket captured before training
-(``train.cuda_graph_vision_warmup_patches``; a capture mid-run synchronizes by design). Pass: no
+(``train.cuda_graphs.vision_warmup_patches``; a capture mid-run synchronizes by design). Pass: no
 synchronizing call in any checked step of either; the JSON lists each one found by file and line.
 """
 
@@ -95,7 +95,7 @@ def main() -> int:
         return 2
     variants = {
         "eager": ["train.cuda_graphs=false"],
-        "cuda_graphs": ["train.cuda_graphs=true", "train.cuda_graph_vision_warmup_patches=-1"],
+        "cuda_graphs": ["train.cuda_graphs=true", "train.cuda_graphs.vision_warmup_patches=-1"],
     }
     result, ok = {"config": args.config, "steps": args.steps, "from_step": args.from_step,
                   "device": torch.cuda.get_device_name()}, True

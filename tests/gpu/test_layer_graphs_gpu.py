@@ -11,7 +11,7 @@
    Losses must be bit-identical (every forward kernel is deterministic) and main_grad must
    differ from eager by no more than eager differs from itself (x4, floor 1e-3 relative).
 3. Time per micro-batch forward+backward, eager vs graphs.
-4. The vision encoder's graphs added (train.cuda_graph_vision_bucket): its input is padded, so
+4. The vision encoder's graphs added (train.cuda_graphs.vision_bucket): its input is padded, so
    its GEMMs may round differently; losses within 5e-3 relative, gradients within the bound
    above, and the time per micro-batch with both.
 """
@@ -89,11 +89,11 @@ def trainer_model_and_batches(config: str, overrides: list[str], micro_batches: 
     ddp = DistributedDataParallel(config=model.config, module=model,
                                   ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True))
     # as training resolves it: the graphs below add into main_grad (stage 2 installs them so)
-    fused = wgrad_fusion.enable(ddp) if wgrad_fusion.resolve(m.grad_accum_fusion, t.cuda_graph_grads_to_main_grad) else 0
+    fused = wgrad_fusion.enable(ddp) if wgrad_fusion.resolve(m.grad_accum_fusion, t.cuda_graphs.grads_to_main_grad) else 0
     dataset = build_dataset(m, cfg.data, t.seq_length)
     loader = iter(MicroBatchIterator(dataset, t.seq_length, m.pad_token_id, m.vision_token_ids,
                                      m.vision.spatial_merge_size, True, 1, 0, 1,
-                                     pack_lookahead=cfg.data.pack_lookahead))
+                                     pack_lookahead=cfg.data.loader.pack_lookahead))
     extras = get_model_family(m.name).packed_row_extras
     batches = [to_device(next(loader), torch.device("cuda"), torch.bfloat16, row_extras=extras)
                for _ in range(micro_batches)]
@@ -156,8 +156,8 @@ def main(argv=None) -> int:
     eager = [accumulate() for _ in range(2)]
     result["eager_ms_per_micro_batch"] = timed()
     one_segment = layer_graphs.one_segment_set_wanted(cfg.model.attention_backend, torch.device("cuda"))
-    graphs = layer_graphs.graph_decoder_layers(model.language_model, t.cuda_graph_max_samples, one_segment_graphs=one_segment,
-                                  grads_to_main_grad=t.cuda_graph_grads_to_main_grad)
+    graphs = layer_graphs.graph_decoder_layers(model.language_model, t.cuda_graphs.max_samples, one_segment_graphs=one_segment,
+                                  grads_to_main_grad=t.cuda_graphs.grads_to_main_grad)
     graphed = [accumulate() for _ in range(2)]
     result["capture_failed"] = graphs.failed
     result["graphed_batches"] = graphs.graphed_batches
@@ -174,9 +174,9 @@ def main(argv=None) -> int:
     result["speedup"] = result["eager_ms_per_micro_batch"] / result["graphs_ms_per_micro_batch"]
     # 4. the vision encoder's graphs on top (padded rows: its GEMMs may round differently, so the
     # losses are compared with a tolerance, the gradients against the same bound)
-    vision = model.vision_model.install_cuda_graphs(t.cuda_graph_vision_bucket, t.cuda_graph_vision_max_buckets,
-                                                    t.cuda_graph_max_samples,
-                                                    grads_to_main_grad=t.cuda_graph_grads_to_main_grad)
+    vision = model.vision_model.install_cuda_graphs(t.cuda_graphs.vision_bucket, t.cuda_graphs.vision_max_buckets,
+                                                    t.cuda_graphs.max_samples,
+                                                    grads_to_main_grad=t.cuda_graphs.grads_to_main_grad)
     both = [accumulate() for _ in range(2)]
     result["vision_capture_failed"] = vision.failed
     result["vision_buckets"] = [list(key) for key in sorted(vision.buckets)]  # (rows, segment slots)

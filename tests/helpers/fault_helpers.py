@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PROXY = "configs/qwen35_vl_proxy.yaml"
 # a few seconds per step on two CPU cores
-TINY = ["train.seq_length=256", "train.global_batch_size=1", "data.max_image_side=64", "data.max_text_tokens=48",
+TINY = ["train.seq_length=256", "train.global_batch_size=1", "data.mock.max_image_side=64", "data.mock.max_text_tokens=48",
         "logging.progress_bar=false", "logging.tensorboard=false"]
 
 
