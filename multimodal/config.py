@@ -533,12 +533,8 @@ def _validate_parallel(cfg: Config, world_size: int) -> None:
         _require(t.seq_length % multiple == 0,
                  f"train.seq_length ({t.seq_length}) must be a multiple of 2*cp{'*tp' if multiple > 2 * p.cp else ''}"
                  f" = {multiple} under context parallelism; pick a seq_length that is")
-    if p.pp > 1:
-        # megatron splits the decoder evenly (get_num_layers_to_build); the vision encoder and the
-        # embedding ride on the first stage, the output layer and the loss on the last.
-        _require(cfg.model.num_layers % p.pp == 0,
-                 f"model.num_layers ({cfg.model.num_layers}) must be divisible by parallel.pp ({p.pp}) (every "
-                 "pipeline stage gets num_layers/pp decoder layers); choose a pp that divides it")
+    # layers per pipeline rank and virtual stage, micro-batches for the interleaved schedule
+    p.check_pipeline(cfg.model.num_layers, t.global_batch_size // (t.micro_batch_size * dp))
 
 
 def _validate_graphs(cfg: Config) -> None:

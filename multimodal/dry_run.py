@@ -42,6 +42,7 @@ import math
 from dataclasses import dataclass
 
 from models import get_model_family
+from models.common.fp8 import transient_bytes as fp8_transient_bytes
 from models.family import StageParams
 from multimodal.config import Config, ConfigError, validate, validate_layout
 
@@ -258,6 +259,8 @@ def stage_memory(cfg: Config, lay: Layout, sp_: StageParams, overhead_gib: float
         act += tokens * 2 * m.hidden_size  # embeddings
     in_flight = lay.in_flight(sp_.stage)
     act *= in_flight
+    if getattr(t, "fp8", None):  # the per-GEMM fp8 casts of train.fp8, one GEMM at a time
+        act += fp8_transient_bytes(m, tokens, lay.tp)
     if sp_.stage == lay.pp - 1:
         if getattr(m, "fused_linear_ce", False):
             # fused_kernels/fused_linear_ce.py keeps fp32 lse per token; logits exist one ~2**27 chunk at a
@@ -347,6 +350,9 @@ def dry_run(cfg: Config, world_size: int | None = None, gpu_mem_gib: float = 80.
     out(f"  memory per GPU in GiB: bf16 weights, fp32 grads, fp32 main params + Adam m/v"
         f"{' / DP' if lay.distributed_optimizer else ''}, activations x micro-batches in flight (1F1B, "
         f"no recompute, image tokens {frac:.0%} of a row on average), {overhead_gib:g} GiB overhead")
+    if cfg.train.fp8:
+        out(f"  train.fp8={cfg.train.fp8}: master weights, gradients and optimizer state unchanged; activations "
+            f"include the per-GEMM fp8 casts (no fp8 weight copies are kept between GEMMs)")
     header = (f"  {'stages':<8}{'layers':>10}{'params':>10}{'experts':>10}{'weights':>9}{'grads':>8}"
               f"{'optim':>8}{'activ':>8}{'x mb':>6}{'total':>8}  fits {gpu_mem_gib:g}")
     out(header)

@@ -284,3 +284,27 @@ def test_bench_ab_reports_fp8_speedup():
     rows = ab("train.cuda_graphs=true", 100.0, 100.0)
     add_fp8_speedup(rows, ["train.fp8=rowwise"], 100.0)
     assert "fp8_speedup" not in rows["train.cuda_graphs=true"]
+
+
+def test_dry_run_and_oom_advice_count_the_casts():
+    """9B recipe at tp=1, one 8K row: the dry run adds the fp8 casts of the widest GEMM (the MLP's
+    fc1: 2 x 12288 columns; 8192 x 24576 activation + gradient and 24576 x 4096 weight twice, one
+    byte each) to the activations and says so; the OOM advice names the figure and the fix."""
+    from multimodal.dry_run import dry_run
+    from multimodal.observability.oom_advice import advice
+
+    def activ(overrides):
+        lines = []
+        cfg = load_config("configs/qwen35_vl_9b.yaml", ["parallel.tp=1", *overrides])
+        dry_run(cfg, world_size=1, gpu_mem_gib=1000, out=lines.append)
+        row = next(line for line in lines if line.strip().startswith("0 "))
+        return float(row.split()[7]), lines
+
+    base, _ = activ([])
+    with_fp8, lines = activ(["train.fp8=tensorwise"])
+    want = (2 * 8192 * 24576 + 2 * 4096 * 24576) / 2**30
+    assert with_fp8 - base == pytest.approx(want, abs=0.06)
+    assert any("train.fp8=tensorwise" in line for line in lines)
+    text = advice(load_config("configs/qwen35_vl_9b.yaml", ["parallel.tp=1", "train.fp8=rowwise"]), 5)
+    assert f"train.fp8=rowwise adds about {want:.2f} GiB" in text and "train.fp8=null" in text
+    assert "train.fp8" not in advice(load_config("configs/qwen35_vl_9b.yaml", []), 5)

@@ -243,10 +243,16 @@ def convert(model: torch.nn.Module, recipe: str, exclude=DEFAULT_EXCLUDE) -> Rep
     return report
 
 
-def transient_bytes(weight_shapes, tokens: int, hidden: int) -> int:
-    """Peak bytes FP8 adds over bf16 while a layer computes: the largest weight's fp8 copy and
-    its transposed copy, and an fp8 copy of a [tokens, widest] activation and its gradient
-    (casts made per GEMM and freed after it; nothing is kept across layers)."""
-    largest = max((o * i for o, i in weight_shapes), default=0)
-    widest = max([hidden, *(max(o, i) for o, i in weight_shapes)])
-    return 2 * largest + 2 * tokens * widest
+def transient_bytes(m, tokens: float, tp: int = 1) -> float:
+    """Peak bytes FP8 adds over bf16 while one GEMM runs, for ``tokens`` tokens of a micro-batch on
+    a rank of model section ``m``: fp8 copies (one byte an element) of the activation and its
+    gradient at the widest FP8 GEMM (the MLP's fc1, [gate | up]; for routed experts each token's
+    top-k rows), and of the largest weight twice (row- and column-major). Casts are made per GEMM
+    and freed after it: nothing accumulates across layers or micro-batches (no weight cache), so
+    this counts once per rank, not per layer."""
+    if getattr(m, "num_experts", 0):
+        rows, width = tokens * getattr(m, "moe_router_topk", 1), 2 * getattr(m, "moe_ffn_hidden_size", 0)
+    else:
+        rows, width = tokens, 2 * m.ffn_hidden_size // tp
+    width = max(width, m.hidden_size)
+    return 2 * rows * width + 2 * m.hidden_size * width

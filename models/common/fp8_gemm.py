@@ -72,9 +72,42 @@ class Quantized(NamedTuple):
         return self.data.float() * self.inv_scale
 
 
+def _amax(x: torch.Tensor, dim: int | None) -> torch.Tensor:
+    return (x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)).float()
+
+
+def _scaled_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    limit = torch.finfo(dtype).max
+    return (x.float() * scale).clamp(-limit, limit).to(dtype)
+
+
+@functools.cache
+def _compiled(fn):
+    """``fn`` compiled by inductor into one fused kernel: eagerly, |x|, the fp32 product, the clamp
+    and the cast each make a pass over the tensor and a temporary, which would eat much of what
+    the FP8 GEMM saves. Compiled once per shape family (dynamic), before any CUDA-graph capture."""
+    return torch.compile(fn, dynamic=True, fullgraph=True)
+
+
+def _kernel(fn, x: torch.Tensor):
+    if x.device.type != "cuda" or _compile_refused() is not None:
+        return fn
+    return _compiled(fn)
+
+
+@functools.cache
+def _compile_refused() -> str | None:
+    try:
+        import triton  # noqa: F401, PLC0415
+    except ImportError:
+        log.warning("FP8: Triton is not importable; the casts run eagerly (several passes per tensor)")
+        return "no triton"
+    return None
+
+
 def amax(x: torch.Tensor, dim: int | None, group=None) -> torch.Tensor:
     """fp32 max |x| over ``dim`` (kept, size 1) or over all of x (0-dim); all-reduced over ``group``."""
-    a = (x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)).float()
+    a = _kernel(_amax, x)(x, dim)
     if group is not None and group.size() > 1:
         dist.all_reduce(a, op=dist.ReduceOp.MAX, group=group)
     return a
@@ -88,9 +121,7 @@ def scale_from_amax(a: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Te
 
 
 def quantize_with(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Quantized:
-    limit = torch.finfo(dtype).max
-    data = (x.float() * scale).clamp(-limit, limit).to(dtype)
-    return Quantized(data, scale.reciprocal())
+    return Quantized(_kernel(_scaled_cast, x)(x, scale, dtype), scale.reciprocal())
 
 
 def quantize(x: torch.Tensor, dim: int | None, dtype: torch.dtype, pow2: bool, group=None) -> Quantized:

@@ -45,6 +45,13 @@ def advice(cfg, step: int, data_parallel: int = 1) -> str:
         lines.append(f"  - parallel.use_distributed_optimizer=true shards the fp32 parameters and Adam moments "
                      f"{ranks}: 12 bytes per parameter, divided by their number")
     lines.append(f"  - shorter rows: a lower train.seq_length (now {t.seq_length})")
+    if getattr(t, "fp8", None):
+        from models.common.fp8 import transient_bytes  # noqa: PLC0415
+
+        extra = transient_bytes(m, t.micro_batch_size * t.seq_length / p.cp, p.tp) / 2**30
+        lines.append(f"  - train.fp8={t.fp8} adds about {extra:.2f} GiB at the peak (each GEMM's fp8 casts of its "
+                     "activation, gradient and weight; no weight copies are kept): train.fp8=null frees it, "
+                     "or add the widest layers to train.fp8_exclude")
     lines.append("  Check a layout without a GPU first: python pretrain_multimodal.py --config CFG [key=value ...] "
                  "--dry-run --gpu-mem-gib GIB (its activation estimate assumes no recompute and runs high; "
                  "docs/performance.md compares it with measured peaks)")
