@@ -26,6 +26,7 @@ from data.config import DataConfig, conversations_path  # noqa: F401 - DataConfi
 # the model section's class is the one of the family model.name names (models.MODEL_REGISTRY)
 from models import DEFAULT_MODEL, get_hf_adapter, get_model_family
 from models.common.attention import BACKENDS as ATTENTION_BACKENDS
+from models.common.fp8 import DEFAULT_EXCLUDE as FP8_DEFAULT_EXCLUDE, RECIPES as FP8_RECIPES
 from models.common.model_config import ModelConfig
 from models.common.parallel_config import ParallelConfig
 
@@ -106,6 +107,12 @@ class TrainConfig:
     # once (rows past the set's end are blank, never repeats)
     eval_interval: int = 0
     eval_iters: int = 10
+    # FP8 GEMMs in the decoder's linear layers and routed experts (models/common/fp8.py, docs/fp8.md):
+    # null (bf16) | tensorwise | rowwise, torchao's recipe names. fp8_exclude: module-name patterns
+    # (fnmatch) kept in bf16; the default keeps the vision tower, the routers, the LM head, the
+    # embeddings and GDN's beta/alpha rows of in_proj (<layer>.self_attention.in_proj_ba)
+    fp8: str | None = None
+    fp8_exclude: list[str] = field(default_factory=lambda: list(FP8_DEFAULT_EXCLUDE))
 
     def validate(self) -> None:
         for key in ("iters", "micro_batch_size", "global_batch_size", "seq_length"):
@@ -120,6 +127,8 @@ class TrainConfig:
                                           f"validation), got {self.eval_interval}")
         _require(self.eval_iters >= 1,
                  f"train.eval_iters must be >= 1 (global batches per evaluation), got {self.eval_iters}")
+        _require(self.fp8 is None or self.fp8 in FP8_RECIPES,
+                 f"train.fp8 must be null (bf16), tensorwise or rowwise, got {self.fp8!r}")
 
     # TEMPORARY: the old attribute names multimodal/training.py still reads; removed once it reads
     # train.cuda_graphs.<field>
