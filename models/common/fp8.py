@@ -18,7 +18,7 @@ which are computed beside the FP8 rows from the same input.
 Backward casts, per recipe (models/common/fp8_gemm.py): the input gradient is
 ``grad_out @ W`` with grad_out in the recipe's gradient type; the weight gradient is
 ``grad_out^T @ x``, both scaled along the tokens under ``rowwise``, and is added straight into
-``main_grad`` in fp32 when megatron's accumulation fusion is on (``added_to_main_grad``).
+``main_grad`` when megatron's accumulation fusion is on (``added_to_main_grad``).
 Saved for backward: the bf16 input (the local shard under sequence parallelism, gathered again
 as megatron does) and the weight itself, as in bf16: FP8 adds no saved activations, only
 transient casts (``transient_bytes``).
@@ -127,7 +127,8 @@ class _Fp8Linear(torch.autograd.Function):
 def _weight_grad(weight, g_head, g_tail, x2, gq, x_inv, accumulate: bool, r: Recipe):
     """grad_out^T @ x: FP8 for the head rows, high precision for the tail; into main_grad when fused."""
     main = weight.main_grad if accumulate and hasattr(weight, "main_grad") else None
-    out_dtype = torch.float32 if main is not None else weight.dtype
+    # the weight's dtype, also when adding into main_grad: torch's rowwise FP8 GEMM writes bf16 only
+    out_dtype = weight.dtype
     if r.rowwise:  # both operands along the tokens: neither is split there
         gtq = fp8_gemm.quantize(g_head.t(), -1, E4M3, r.pow2_scales)
         xq = fp8_gemm.quantize(x2, 0, E4M3, r.pow2_scales)
@@ -135,7 +136,7 @@ def _weight_grad(weight, g_head, g_tail, x2, gq, x_inv, accumulate: bool, r: Rec
         gtq = gq.t()
         xq = fp8_gemm.quantize_with(x2, x_inv.reciprocal(), E4M3)
     dw_head = fp8_gemm.matmul(gtq, xq, out_dtype, fast_accum=False)
-    dw_tail = (g_tail.t().to(out_dtype) @ x2.to(out_dtype)) if g_tail.shape[1] else None
+    dw_tail = (g_tail.t() @ x2.to(g_tail.dtype)) if g_tail.shape[1] else None
     if main is None:
         return dw_head if dw_tail is None else torch.cat([dw_head, dw_tail.to(dw_head.dtype)])
     main[:dw_head.shape[0]].add_(dw_head)
