@@ -308,3 +308,25 @@ def test_dry_run_and_oom_advice_count_the_casts():
     text = advice(load_config("configs/qwen35_vl_9b.yaml", ["parallel.tp=1", "train.fp8=rowwise"]), 5)
     assert f"train.fp8=rowwise adds about {want:.2f} GiB" in text and "train.fp8=null" in text
     assert "train.fp8" not in advice(load_config("configs/qwen35_vl_9b.yaml", []), 5)
+
+
+def test_compare_loss_verdict(tmp_path):
+    """scripts/compare_loss.py: the last-N mean within tolerance and no spike of B's own pass; a
+    spike B has alone, or a tail 2% higher, fails; a spike both runs share does not."""
+    import json as _json
+
+    from scripts.compare_loss import main
+
+    def write(name, curve):
+        path = tmp_path / name
+        path.write_text("".join(_json.dumps({"step": s, "loss": v}) + "\n" for s, v in curve.items()))
+        return str(path)
+
+    base = {s: 5.0 - s / 100 for s in range(1, 151)}
+    both = {**base, 60: 6.0}
+    a = write("a.jsonl", both)
+    assert main([a, write("same.jsonl", {s: v * 1.005 for s, v in both.items()}), "--last", "50"]) == 0
+    assert main([a, write("spike.jsonl", {**both, 100: 6.0}), "--last", "50"]) == 1
+    assert main([a, write("high.jsonl", {s: v * 1.02 for s, v in both.items()}), "--last", "50",
+                 "--json", str(tmp_path / "r.json")]) == 1
+    assert _json.loads((tmp_path / "r.json").read_text())["rel_diff"] == pytest.approx(0.02)
