@@ -316,7 +316,7 @@ def test_prefetcher_prepares_each_batch_in_its_thread_and_the_vision_geometry_is
     thread, so the encoder's call on the training thread computes nothing new."""
     import threading
 
-    from data.loader.prefetch import Prefetcher
+    from data.prefetch import Prefetcher
     from models import get_model_family
     from models.qwen35_vl import vision_geometry as vg
 
@@ -346,7 +346,7 @@ def test_prefetcher_prepares_each_batch_in_its_thread_and_the_vision_geometry_is
 
 
 def test_prefetcher_yields_the_same_batches_and_reports_consumed_state(ds):
-    from data.loader.prefetch import Prefetcher
+    from data.prefetch import Prefetcher
 
     def loader():
         return MicroBatchIterator(ds, S, M.pad_token_id, M.image_token_id, MERGE, True, 1, 0, 1)
@@ -366,7 +366,7 @@ def test_prefetcher_counts_the_time_the_trainer_waits_for_a_slow_loader():
     """data_wait_s: a loader slower than the trainer shows as waiting; batches built ahead do not."""
     import time
 
-    from data.loader.prefetch import Prefetcher
+    from data.prefetch import Prefetcher
 
     class Slow:
         def __init__(self, delay):
@@ -396,7 +396,7 @@ def test_prefetcher_counts_the_time_the_trainer_waits_for_a_slow_loader():
 
 
 def test_prefetcher_raises_loader_errors_in_the_trainer():
-    from data.loader.prefetch import Prefetcher
+    from data.prefetch import Prefetcher
 
     class Broken:
         def state_dict(self):
