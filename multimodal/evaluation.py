@@ -1,6 +1,6 @@
 """Validation loss: ``train.eval_interval`` steps apart and after the last step.
 
-    evaluator = Evaluator.build(cfg, rt, ddp, optimizer, step, num_microbatches)  # None when off
+    evaluator = Evaluator.build(trainer)  # None when off; reads the Trainer's state
     if evaluator is not None and evaluator.due(it):
         metrics = evaluator.run(it)   # {"val_loss": ..., "val_tokens": ..., "val_time_s": ...}
 
@@ -45,7 +45,8 @@ from data.loader import MicroBatchIterator
 from data.registry import build_dataset
 from multimodal import checkpointing
 from multimodal.context_parallel import sequence_pad_multiple
-from multimodal.forward_step import ForwardStep
+from multimodal.forward_step import chunk_iterators
+from multimodal.transforms import graphs_of
 
 log = logging.getLogger(__name__)
 
@@ -64,25 +65,29 @@ def valid_data_config(data_cfg):
 
 
 class Evaluator:
-    def __init__(self, cfg, rt, ddp, optimizer, step: ForwardStep, num_microbatches: int, dataset):
-        self.cfg, self.rt, self.ddp, self.optimizer, self.step = cfg, rt, ddp, optimizer, step
-        self.num_microbatches = num_microbatches
+    def __init__(self, trainer, dataset):
+        """``trainer``: the run's Trainer (multimodal/trainer.py), read for its config, runtime, DDP
+        chunks, optimizer, ForwardStep and micro-batch count; ``dataset``: the validation set."""
+        self.trainer = trainer
+        self.cfg, self.rt, self.step = trainer.cfg, trainer.rt, trainer.step
         self.dataset = dataset
-        self.interval, self.iters, self.last = cfg.train.eval_interval, cfg.train.eval_iters, cfg.train.iters
+        t = self.cfg.train
+        self.interval, self.iters, self.last = t.eval_interval, t.eval_iters, t.iters
         self.fwd = get_forward_backward_func()
         self._told_blank = False
 
     @classmethod
-    def build(cls, cfg, rt, ddp, optimizer, step: ForwardStep, num_microbatches: int) -> Evaluator | None:
+    def build(cls, trainer) -> Evaluator | None:
         """None when ``train.eval_interval`` is 0. The validation set is opened here, at start-up,
         so a missing file stops the run before the first step, not at the first evaluation."""
+        cfg = trainer.cfg
         if not cfg.train.eval_interval:
             return None
         dataset = build_dataset(cfg.model, valid_data_config(cfg.data), cfg.train.seq_length)
         log.info("validation: %d samples, %d global batch(es) (%d rows) every %d steps and after the last",
                  len(dataset), cfg.train.eval_iters, cfg.train.eval_iters * cfg.train.global_batch_size,
                  cfg.train.eval_interval)
-        return cls(cfg, rt, ddp, optimizer, step, num_microbatches, dataset)
+        return cls(trainer, dataset)
 
     def due(self, it: int) -> bool:
         return it % self.interval == 0 or it == self.last
@@ -97,24 +102,24 @@ class Evaluator:
     def run(self, it: int) -> dict:
         """One evaluation with the current weights -> {val_loss, val_tokens, val_time_s} (every rank)."""
         start = time.perf_counter()
-        overlap = getattr(self.optimizer, "update_overlap", None)
-        if overlap is not None:
-            overlap.finish()  # the parameters are this step's
+        trainer = self.trainer
+        if trainer.overlap is not None:
+            trainer.overlap.finish()  # the parameters are this step's
         rng = checkpointing._rng_state()
-        model = self.ddp.module
-        routers = [g for g in (getattr(model, "decoder_graphs", None), getattr(model, "vision_graphs", None))
-                   if g is not None]
+        routers = graphs_of(trainer.chunks)
         eager_counts = [Counter(g.eager_batches) for g in routers]
-        modes = [(module, module.training) for module in self.ddp.modules()]
+        modes = [(module, module.training) for ddp in trainer.ddp for module in ddp.modules()]
         loader = self._loader()
+        rows = chunk_iterators(loader, len(trainer.ddp))  # every model chunk reads each micro-batch
         report = torch.zeros(2, device=self.rt.device)  # [loss_sum, tokens], as training's
         counted = len(self.step.batches)  # training's FLOP and token counts never see evaluation's rows
-        self.ddp.eval()
+        for ddp in trainer.ddp:
+            ddp.eval()
         try:
             with torch.no_grad():
                 for _ in range(self.iters):
-                    outputs = self.fwd(forward_step_func=self.step, data_iterator=loader, model=[self.ddp],
-                                       num_microbatches=self.num_microbatches, seq_length=self.cfg.train.seq_length,
+                    outputs = self.fwd(forward_step_func=self.step, data_iterator=rows, model=trainer.ddp,
+                                       num_microbatches=trainer.num_microbatches, seq_length=self.cfg.train.seq_length,
                                        micro_batch_size=self.cfg.train.micro_batch_size, forward_only=True)
                     for out in outputs:  # (none on pipeline stages without the loss)
                         report += out["lm loss"]
@@ -128,7 +133,7 @@ class Evaluator:
             checkpointing._set_rng_state(rng)
             del self.step.batches[counted:]
         self._tell_blank(loader)
-        # the reductions of training's loss (training._start_log): last pipeline stage -> all
+        # the reductions of training's loss (step_metrics.start_log): last pipeline stage -> all
         # stages, then the sum over context-parallel and data-parallel ranks
         if ps.get_pipeline_model_parallel_world_size() > 1:
             dist.broadcast(report, src=ps.get_pipeline_model_parallel_last_rank(),

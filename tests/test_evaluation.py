@@ -132,20 +132,20 @@ def _worker(out: Path) -> None:
     from megatron.core import tensor_parallel
 
     from data.loader import MicroBatchIterator, build_dataset
-    from multimodal import evaluation, training
+    from multimodal import evaluation, trainer
     from multimodal.training import train
     from helpers.proxy_fixtures import forward
 
     seen = {"evals": [], "direct": [], "shared": []}
     original = evaluation.Evaluator.run
     made = []  # the ForwardSteps the runs built
-    build_step = training.forward_step
+    build_step = trainer.forward_step
 
     def counted_step(*args):
         made.append(build_step(*args))
         return made[-1]
 
-    training.forward_step = counted_step
+    trainer.forward_step = counted_step
 
     def direct_val_loss(ev) -> float:
         """sum of masked per-token losses / supervised tokens over the same samples, straight
@@ -153,7 +153,7 @@ def _worker(out: Path) -> None:
         cfg, m = ev.cfg, ev.cfg.model
         data = dataclasses.replace(cfg.data, seed=cfg.data.seed + 1)  # the held-out mock samples
         loader = MicroBatchIterator.from_config(build_dataset(m, data, cfg.train.seq_length), m, data, cfg.train)
-        model = ev.ddp.module
+        model = ev.trainer.chunks[0]
         model.eval()
         total, tokens = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
         with torch.no_grad():
@@ -170,7 +170,7 @@ def _worker(out: Path) -> None:
         return float(total / tokens)
 
     def checked_run(self, it):
-        model = self.ddp.module
+        model = self.trainer.chunks[0]
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         rng = (torch.get_rng_state(), tensor_parallel.get_cuda_rng_tracker().get_states())
         counted = list(self.step.batches)

@@ -91,8 +91,7 @@ def _model_and_batch(overrides=()):
     seed_everything(0)
     model = get_model_builder(cfg.model.name)(cfg.model, cfg.parallel, torch.float32)
     m = cfg.model
-    loader = MicroBatchIterator(build_dataset(m, cfg.data, 256), 256, m.pad_token_id, m.image_token_id,
-                                m.vision.spatial_merge_size, True, 1, 0, 1)
+    loader = MicroBatchIterator.from_config(build_dataset(m, cfg.data, 256), m, cfg.data, cfg.train)
     batch = next(iter(loader))
     assert batch["padding_mask"].any() and batch["pixel_values"].numel()  # padding and images
     return cfg, model, batch

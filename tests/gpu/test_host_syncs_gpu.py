@@ -7,7 +7,7 @@ synchronize) lets the device run dry while the host then prepares the next batch
 in the log step cost the 2B step with varied images ~14 ms of GPU idle. This check trains the
 given config with metrics every step and, from ``--from-step`` on, turns on
 ``torch.cuda.set_sync_debug_mode("warn")``, which reports every synchronizing CUDA call. The
-only reads the loop means to make, the log row's (``training._emit``: the previous log step's
+only reads the loop means to make, the log row's (``step_metrics.emit``: the previous log step's
 numbers, through events, one step behind), run with the check off.
 
 Variants: eager layers, and CUDA graphs with every vision bucket captured before training
@@ -34,12 +34,12 @@ SYNC_WARNING = "synchronizing CUDA operation"
 
 def sync_sites(config: str, overrides: list[str], steps: int, from_step: int) -> Counter:
     """Train; return {"file:line (function)": count} of the synchronizing calls from ``from_step``."""
-    from multimodal import training
+    from multimodal import step_metrics, training
     from multimodal.config import load_config
     from multimodal.observability.profiling import StepProfiler
 
     sites: Counter = Counter()
-    begin, end, emit, show = StepProfiler.begin, StepProfiler.end, training._emit, warnings.showwarning
+    begin, end, emit, show = StepProfiler.begin, StepProfiler.end, step_metrics.emit, warnings.showwarning
 
     def checked_begin(self, it):
         if it >= from_step:
@@ -67,7 +67,7 @@ def sync_sites(config: str, overrides: list[str], steps: int, from_step: int) ->
         where = (ours or frames)[-1]
         sites[f"{Path(where.filename).name}:{where.lineno} ({where.name})"] += 1
 
-    StepProfiler.begin, StepProfiler.end, training._emit = checked_begin, checked_end, unchecked_emit
+    StepProfiler.begin, StepProfiler.end, step_metrics.emit = checked_begin, checked_end, unchecked_emit
     try:
         with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
             warnings.simplefilter("always")
@@ -78,7 +78,7 @@ def sync_sites(config: str, overrides: list[str], steps: int, from_step: int) ->
             training.train(cfg)
     finally:
         torch.cuda.set_sync_debug_mode(0)
-        StepProfiler.begin, StepProfiler.end, training._emit = begin, end, emit
+        StepProfiler.begin, StepProfiler.end, step_metrics.emit = begin, end, emit
     return sites
 
 

@@ -91,9 +91,7 @@ def trainer_model_and_batches(config: str, overrides: list[str], micro_batches: 
     # as training resolves it: the graphs below add into main_grad (stage 2 installs them so)
     fused = wgrad_fusion.enable(ddp) if wgrad_fusion.resolve(m.grad_accum_fusion, t.cuda_graphs.grads_to_main_grad) else 0
     dataset = build_dataset(m, cfg.data, t.seq_length)
-    loader = iter(MicroBatchIterator(dataset, t.seq_length, m.pad_token_id, m.vision_token_ids,
-                                     m.vision.spatial_merge_size, True, 1, 0, 1,
-                                     pack_lookahead=cfg.data.loader.pack_lookahead))
+    loader = iter(MicroBatchIterator.from_config(dataset, m, cfg.data, t))
     extras = get_model_family(m.name).packed_row_extras
     batches = [to_device(next(loader), torch.device("cuda"), torch.bfloat16, row_extras=extras)
                for _ in range(micro_batches)]
