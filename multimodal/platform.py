@@ -8,7 +8,7 @@ places, once, at start-up. Nothing here runs when a GPU is present.
 Patched on CPU only (each one is listed in ``CPU_PATCHES`` so tests can assert them):
 - ``torch.cuda.current_device`` returns ``torch.device("cpu")``: megatron uses it as
   the device for parameters, rotary buffers and scratch tensors.
-- the modules in ``_MODULES_ALLOCATING_ON_CUDA`` (optimizer, grad clipping, schedules,
+- the modules in ``core.compat.CUDA_ALLOCATING`` (optimizer, grad clipping, schedules,
   grad buffers, MoE, dist-checkpointing) see a ``torch`` whose factories turn
   ``device='cuda'`` into CPU; ``clip_grad_by_total_norm_fp32`` (which asserts CUDA
   gradients) gets a CPU twin; the MoE all-to-all split sizes become numpy as on a GPU.
@@ -34,35 +34,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from core import compat
+
 log = logging.getLogger(__name__)
 
 CPU_PATCHES: list[str] = []
 # True only where a test has replaced the CUDA streams and events of megatron's overlapped MoE
 # schedule with CPU stand-ins (tests/test_moe_overlap.py); real CPU runs refuse the overlap.
 CPU_STREAM_STAND_INS = False
-
-# megatron modules on the training path that allocate small tensors with device="cuda".
-_MODULES_ALLOCATING_ON_CUDA = (
-    "megatron.core.optimizer.optimizer",
-    "megatron.core.optimizer.clip_grads",
-    "megatron.core.optimizer.grad_scaler",
-    "megatron.core.pipeline_parallel.schedules",
-    # pipeline p2p: receive buffers on torch.cuda.current_device() and a torch.cuda.synchronize()
-    # after every batched isend/irecv (a race guard for NCCL; gloo's waits are already blocking)
-    "megatron.core.pipeline_parallel.p2p_communication",
-    "megatron.core.pipeline_parallel.utils",
-    "megatron.core.distributed.param_and_grad_buffer",
-    "megatron.core.transformer.moe.moe_layer",
-    "megatron.core.transformer.moe.token_dispatcher",
-    "megatron.core.transformer.moe.shared_experts",
-    "megatron.core.transformer.moe.moe_utils",
-    "megatron.core.transformer.utils",
-    "megatron.core.tensor_parallel.data",
-    "megatron.core.dist_checkpointing.exchange_utils",
-    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
-    "megatron.core.dist_checkpointing.strategies.filesystem_async",
-    "megatron.core.utils",
-)
 
 
 @dataclass(frozen=True)
@@ -93,6 +72,7 @@ def init_distributed(timeout_minutes: int = 30) -> Runtime:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     os.environ.setdefault("RANK", str(rank))
     os.environ.setdefault("WORLD_SIZE", str(world_size))
+    compat.check()  # a megatron-core without an internal we patch stops here, in one line
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         device, backend = torch.device("cuda", local_rank), "nccl"
@@ -128,40 +108,22 @@ def apply_cpu_patches() -> None:
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
     CPU_PATCHES.append("torch.cuda.current_device")
 
-    import importlib
-
-    for name in _MODULES_ALLOCATING_ON_CUDA:
-        importlib.import_module(name).torch = _CudaToCpuTorch()
-    CPU_PATCHES.append("'cuda' scalar allocations -> CPU in " + ", ".join(_MODULES_ALLOCATING_ON_CUDA))
-    from megatron.core.optimizer import optimizer as mcore_optimizer
-
+    for internal in compat.CUDA_ALLOCATING:
+        compat.replace(internal, _CudaToCpuTorch())
+    CPU_PATCHES.append("'cuda' scalar allocations -> CPU in " + ", ".join(i.module for i in compat.CUDA_ALLOCATING))
     # clip_grad_by_total_norm_fp32 asserts grads are torch.cuda.FloatTensor: CPU twin below.
-    mcore_optimizer.clip_grad_by_total_norm_fp32 = _clip_grad_by_total_norm_fp32
-    CPU_PATCHES.append("megatron.core.optimizer.optimizer.clip_grad_by_total_norm_fp32")
-
-    from megatron.core.transformer.moe import token_dispatcher
-
-    token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_to_host
-    CPU_PATCHES.append("megatron.core.transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu")
-
-    from megatron.core.models.common.language_module.language_module import LanguageModule
-
-    LanguageModule.setup_embeddings_and_output_layer = _with_tensor_cuda_as_identity(
-        LanguageModule.setup_embeddings_and_output_layer)
-    CPU_PATCHES.append("LanguageModule.setup_embeddings_and_output_layer (Tensor.cuda -> identity)")
-
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    build_groups = DistributedOptimizer._build_model_and_main_param_groups.__func__
-    DistributedOptimizer._build_model_and_main_param_groups = classmethod(
-        _with_cuda_type_names(build_groups))
-    CPU_PATCHES.append("DistributedOptimizer._build_model_and_main_param_groups (CUDA type names)")
-
-    from megatron.core.tensor_parallel import random as mcore_random
-
-    mcore_random._CUDA_RNG_STATE_TRACKER = CpuRngStatesTracker()
-    mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-    mcore_random.initialize_rng_tracker = lambda *a, **k: None
+    compat.replace(compat.CLIP_BY_TOTAL_NORM, _clip_grad_by_total_norm_fp32)
+    CPU_PATCHES.append(compat.CLIP_BY_TOTAL_NORM.name)
+    compat.replace(compat.SPLIT_SIZES_TO_CPU, _split_sizes_to_host)
+    CPU_PATCHES.append(compat.SPLIT_SIZES_TO_CPU.name)
+    compat.replace(compat.SETUP_EMBEDDINGS, _with_tensor_cuda_as_identity(compat.get(compat.SETUP_EMBEDDINGS)))
+    CPU_PATCHES.append(f"{compat.SETUP_EMBEDDINGS.name} (Tensor.cuda -> identity)")
+    build_groups = compat.get(compat.BUILD_PARAM_GROUPS).__func__
+    compat.replace(compat.BUILD_PARAM_GROUPS, classmethod(_with_cuda_type_names(build_groups)))
+    CPU_PATCHES.append(f"{compat.BUILD_PARAM_GROUPS.name} (CUDA type names)")
+    compat.replace(compat.RNG_TRACKER, CpuRngStatesTracker())
+    compat.replace(compat.RNG_TRACKER_INITIALIZED, True)
+    compat.replace(compat.INIT_RNG_TRACKER, lambda *a, **k: None)
     CPU_PATCHES.append("megatron.core.tensor_parallel.random RNG tracker")
     # the places, one per line, only at DEBUG: the count says enough on a normal start
     log.info("CPU run: %d CUDA-only spots of megatron-core patched to run on the CPU "

@@ -32,6 +32,7 @@ import types
 import torch
 import torch.nn.functional as F
 
+from core import compat
 from fused_kernels.wgrad_accum import added_to_main_grad, wgrad_gemm_accum_fp16, wgrad_gemm_accum_fp32
 
 
@@ -77,9 +78,9 @@ def enable(model: torch.nn.Module) -> int:
     backward."""
     from megatron.core.tensor_parallel import layers
 
-    layers.fused_weight_gradient_mlp_cuda = types.SimpleNamespace(
-        wgrad_gemm_accum_fp32=wgrad_gemm_accum_fp32, wgrad_gemm_accum_fp16=wgrad_gemm_accum_fp16)
-    layers._grad_accum_fusion_available = True
+    compat.replace(compat.WGRAD_EXTENSION, types.SimpleNamespace(
+        wgrad_gemm_accum_fp32=wgrad_gemm_accum_fp32, wgrad_gemm_accum_fp16=wgrad_gemm_accum_fp16))
+    compat.replace(compat.WGRAD_AVAILABLE, True)
     fused = set()
     for module in model.modules():
         if isinstance(module, (layers.ColumnParallelLinear, layers.RowParallelLinear)) and hasattr(

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from core import compat
 from fused_kernels.flat_adamw import chunk_table, flat_adamw
 from fused_kernels.triton_support import unavailable_reason
 
@@ -126,7 +127,8 @@ class FlatAdamW:
         adam.step = self.step
         adam.flat_adamw = self  # multimodal/checkpointing.py binds the moments before a resume
         adam.register_load_state_dict_post_hook(lambda _opt: self._rebind_after_load())
-        original_copy = getattr(megatron_opt, "_copy_main_params_to_model_params", None)
+        copy_name = compat.COPY_MAIN_TO_MODEL.last  # the same method on the distributed optimizer
+        original_copy = getattr(megatron_opt, copy_name, None)
         if original_copy is None:  # FP32Optimizer: the model parameters are the main parameters
             return
 
@@ -135,7 +137,7 @@ class FlatAdamW:
                 self.model_params_fresh = False
                 return
             original_copy()
-        megatron_opt._copy_main_params_to_model_params = copy_main_to_model
+        setattr(megatron_opt, copy_name, copy_main_to_model)
 
     def bind_state(self) -> None:
         """Make every parameter's exp_avg / exp_avg_sq views of the flat moments (allocated here the
@@ -277,7 +279,7 @@ def layout(megatron_opt, owner: dict) -> list[_Param] | str:
         if main_param is None:
             return "a parameter has no fp32 main copy (quantized parameters)"
         if sharded:  # this rank's shard: at its world range of the buffer, packed densely for the state
-            world = megatron_opt._get_model_param_range_map(model_param)["gbuf_world"]
+            world = getattr(megatron_opt, compat.PARAM_RANGE_MAP.last)(model_param)["gbuf_world"]
             start, numel = world.start, world.size
             state_start = next_state.get(id(buf), 0)
             next_state[id(buf)] = state_start + numel

@@ -23,6 +23,8 @@ import logging
 
 import torch
 
+from core import compat
+
 log = logging.getLogger(__name__)
 
 _INSTALLED = False
@@ -71,22 +73,18 @@ def use_foreach_kernels() -> bool:
     """Fill megatron-core's multi-tensor hooks with torch ``_foreach`` kernels if it fell back to
     its Python loops. Returns True when it did (idempotent)."""
     global _INSTALLED
-    from megatron.core import utils as mutils
-    from megatron.core.optimizer import clip_grads
-    from megatron.core.optimizer import optimizer as moptimizer
-
     if _INSTALLED:
         return True
-    if clip_grads.l2_norm_impl is not mutils.local_multi_tensor_l2_norm:
+    if compat.get(compat.CLIP_L2_NORM) is not compat.get(compat.LOCAL_L2_NORM):
         return False  # TransformerEngine or Apex kernels are in use
-    clip_grads.multi_tensor_applier = _apply
-    clip_grads.l2_norm_impl = _l2_norm
-    clip_grads.multi_tensor_scale_impl = _scale
+    compat.replace(compat.CLIP_APPLIER, _apply)
+    compat.replace(compat.CLIP_L2_NORM, _l2_norm)
+    compat.replace(compat.CLIP_SCALE, _scale)
     # with a tensor-scale op present, megatron keeps the grad norm on the device and clips with
     # a tensor coefficient: no .item() in the optimizer step
-    clip_grads.multi_tensor_scale_tensor_impl = _clip_scale
-    moptimizer.multi_tensor_applier = _apply
-    moptimizer.multi_tensor_scale_impl = _scale
+    compat.replace(compat.CLIP_SCALE_TENSOR, _clip_scale)
+    compat.replace(compat.OPT_APPLIER, _apply)
+    compat.replace(compat.OPT_SCALE, _scale)
     _INSTALLED = True
     log.info("megatron-core without TransformerEngine/Apex: grad norm, clipping and param copies use "
              "torch _foreach kernels (multimodal/performance/multi_tensor.py)")
