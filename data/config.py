@@ -34,11 +34,11 @@ class MockConfig:
 
     num_samples: int = 100_000  # samples before the generator wraps around
     min_images: int = 1  # images per sample, drawn in [min_images, max_images]
-    max_images: int = 3
+    max_images: int = 3  # images per sample, at most
     min_image_side: int = 32  # pixels; multiples of patch_size * spatial_merge_size
-    max_image_side: int = 96
+    max_image_side: int = 96  # pixels, the longest side drawn
     min_text_tokens: int = 16  # prompt tokens per sample, drawn in [min_text_tokens, max_text_tokens]
-    max_text_tokens: int = 96
+    max_text_tokens: int = 96  # prompt tokens per sample, at most
     num_classes: int = 16  # image classes, each with its own answer
 
     def validate(self) -> None:
@@ -129,17 +129,17 @@ class LoaderConfig:
 class DataConfig:
     name: str = "mock"  # the data set: a name in data.registry.DATASET_REGISTRY
     path: str | None = None  # its files (cord_v2: a folder of parquet files; conversations: a file or folder)
-    seed: int = 1234
+    seed: int = 1234  # the mock generator's draws (each sample a function of seed and index)
     pack: bool = True  # THD packing; false pads each sample to train.seq_length (BSHD)
     tokenizer: str | None = None  # tokenizer dir; the model's special token ids are read from it
     split: str = "train"  # the split of data.path to train on
     # dynamic resolution: each image is resized into this pixel-area range. Defaults: the released
     # checkpoints'; the processor files beside data.tokenizer fill a range left at these defaults
     min_pixels: int = 65_536
-    max_pixels: int = 16_777_216
+    max_pixels: int = 16_777_216  # the largest image area in pixels (min_pixels: the smallest)
     # per-channel normalisation; the processor files beside data.tokenizer fill values left at these defaults
     image_mean: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
-    image_std: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])
+    image_std: list[float] = field(default_factory=lambda: [0.5, 0.5, 0.5])  # per channel, > 0
     # validation data (read when train.eval_interval > 0; multimodal/evaluation.py), the same kind
     # of data set as `name`: conversations: a held-out .json/.jsonl file or datasets folder
     # (required); cord_v2: the valid_split split of valid_path (null: data.path); mock: the

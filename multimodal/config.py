@@ -39,7 +39,7 @@ class CudaGraphsConfig:
     removes most of the host's kernel-launch time. GPU, packed rows, pp=tp=cp=1, no recompute.
     MoE decoder layers stay eager (only the vision encoder's graphs run; recompute allowed)."""
 
-    enabled: bool = False
+    enabled: bool = False  # replay the layers as CUDA graphs (GPU only)
     # samples per packed row (decoder) and images per micro-batch (vision) a graph holds; rows
     # with more run eagerly (counted)
     max_samples: int = 64
@@ -79,11 +79,11 @@ class CudaGraphsConfig:
 
 @dataclass
 class TrainConfig:
-    iters: int = 30
-    micro_batch_size: int = 1
-    global_batch_size: int = 4
-    seq_length: int = 512
-    seed: int = 1234
+    iters: int = 30  # optimizer steps
+    micro_batch_size: int = 1  # rows per forward; 1 with data.pack (one packed row)
+    global_batch_size: int = 4  # rows per optimizer step, over all data-parallel ranks
+    seq_length: int = 512  # tokens per row
+    seed: int = 1234  # the initial weights (model.init) and the run's random draws
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     # megatron-core's deterministic_mode plus torch's deterministic kernels where they exist (the
     # MoE combine, scatter/index ops); slower. Kernels without such a version (flash attention's
@@ -100,13 +100,13 @@ class TrainConfig:
     # skip: count it and go on, stop after max_nonfinite_steps in a row; stop: stop at the first.
     # Either is noticed at the next log step (logging.interval) or checkpoint.
     on_nonfinite: str = "skip"
-    max_nonfinite_steps: int = 10
+    max_nonfinite_steps: int = 10  # with on_nonfinite=skip: stop after this many non-finite steps in a row
     # validation loss (multimodal/evaluation.py) every eval_interval steps and after the last step
     # (0 = off), over eval_iters global batches (train.global_batch_size rows each) of the
     # validation data (data.valid_path), the same batches at every evaluation; each sample at most
     # once (rows past the set's end are blank, never repeats)
     eval_interval: int = 0
-    eval_iters: int = 10
+    eval_iters: int = 10  # global batches per evaluation
     # FP8 GEMMs in the decoder's linear layers and routed experts (models/common/fp8.py, docs/fp8.md):
     # null (bf16) | tensorwise | rowwise, torchao's recipe names. fp8_exclude: module-name patterns
     # (fnmatch) kept in bf16; the default keeps the vision tower, the routers, the LM head, the
@@ -140,15 +140,15 @@ class TrainConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: str = "adam"
-    lr: float = 1e-3
-    min_lr: float = 1e-4
+    name: str = "adam"  # AdamW (decoupled weight decay)
+    lr: float = 1e-3  # peak learning rate, after the warm-up
+    min_lr: float = 1e-4  # learning rate at the end of the decay
     weight_decay: float = 0.01
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    warmup_iters: int = 3
+    clip_grad: float = 1.0  # the global gradient norm is clipped to this
+    warmup_iters: int = 3  # steps of linear warm-up from 0 to lr
     decay_iters: int | None = None  # default: train.iters
     lr_decay_style: str = "cosine"  # cosine | linear | constant
     fused: bool = True  # torch's fused AdamW kernel (one pass over params and state) instead of foreach
@@ -185,10 +185,10 @@ class OptimizerConfig:
 
 @dataclass
 class CheckpointConfig:
-    dir: str | None = None
-    interval: int = 0  # 0: only at the end
+    dir: str | None = None  # where this run's checkpoints are written (null: none)
+    interval: int = 0  # steps between checkpoints; 0: only at the end
     load: str | None = None  # a checkpoint dir, or "latest" to resume from checkpoint.dir
-    save_at_end: bool = True
+    save_at_end: bool = True  # a checkpoint after the last step
     keep_last: int = 0  # 0 keeps all
     # write checkpoints in a background process while training goes on (multimodal/async_saves.py);
     # null: on for GPU runs, off on the CPU
@@ -213,26 +213,26 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    dir: str = "runs/default"
-    interval: int = 1
-    tensorboard: bool = True
-    wandb: bool = False
+    dir: str = "runs/default"  # metrics.jsonl, TensorBoard events, profiles and memory snapshots
+    interval: int = 1  # steps between log lines
+    tensorboard: bool = True  # TensorBoard events under <dir>/tensorboard
+    wandb: bool = False  # log to Weights & Biases too
     wandb_project: str = "qwen35-vl"
     # offline | online | disabled; null: the WANDB_MODE environment variable, else offline
     wandb_mode: str | None = None
-    progress_bar: bool = True
+    progress_bar: bool = True  # a tqdm bar on the console
     peak_tflops: float | None = None  # per device; default from the device name (H100/H200: 989)
     # CUDA allocator history from start-up, dumped to <dir>/memory_snapshot.pickle after step
     # memory_snapshot_step (pytorch.org/memory_viz); multimodal/observability/memory.py. No-op on CPU.
     memory_history: bool = False
-    memory_snapshot_step: int = 3
+    memory_snapshot_step: int = 3  # the step after which the allocator history is written
     # 0: Python's automatic GC; N: GC off, gc.collect() every N steps on every rank at once
     manual_gc_interval: int = 0
     # torch.profiler over steps profile_step .. profile_step + profile_num_steps - 1 (0 = off) on
     # profile_ranks: <dir>/profile/trace_rank{r}.json.gz + kernels_rank{r}.txt (multimodal/observability/profiling.py)
     profile_step: int = 0
-    profile_num_steps: int = 2
-    profile_ranks: list[int] = field(default_factory=lambda: [0])
+    profile_num_steps: int = 2  # steps profiled
+    profile_ranks: list[int] = field(default_factory=lambda: [0])  # ranks that profile
     # record Python frames too: the summary's longest idle gaps then show which code launched the
     # kernel the GPU waited for (costs more host time in the profiled steps)
     profile_with_stack: bool = False

@@ -220,16 +220,15 @@ def test_fp8_run_resumes_bit_exact(mcore, tmp_path):
         return cfg, rest
 
     cfg, rest = run(0)
-    whole = optimizer_steps(cfg, *rest, steps=2)
-    cfg, rest = run(0)
-    first = optimizer_steps(cfg, *rest, steps=1)
+    optimizer_steps(cfg, *rest, steps=1)
     model, ddp, optimizer, scheduler = rest
     checkpointing.save(str(tmp_path), 1, model, optimizer, scheduler, {})
+    uninterrupted = optimizer_steps(cfg, *rest, steps=1)
     cfg, rest = run(1)
     model, ddp, optimizer, scheduler = rest
     assert checkpointing.load(checkpointing.resolve("latest", str(tmp_path)), model, optimizer, scheduler)[0] == 1
-    second = optimizer_steps(cfg, *rest, steps=1)
-    assert torch.equal(torch.stack(first + second), torch.stack(whole))
+    resumed = optimizer_steps(cfg, *rest, steps=1)
+    assert torch.equal(resumed[0], uninterrupted[0])
 
 
 def test_config_refuses_an_unknown_recipe():
