@@ -5,7 +5,7 @@ transform slotted in later, what it must come ``before``), each with the reason 
 whether it ``applies`` to the run's config, and ``apply``, which returns the one line it logs.
 ``check_order`` refuses a list that breaks a declared constraint, naming both transforms, so the
 order is checked at start-up instead of being remembered in comments. Adding a transform is one
-class and one entry in ``TRANSFORMS`` (an FP8 conversion goes between ``recompute`` and ``ddp``).
+class and one entry in ``TRANSFORMS``.
 
 The transforms act on ``ModelBuild``: the model chunks (one per virtual pipeline stage) and,
 once ``ddp`` has run, their DDP wrappers. A graph router is kept on the chunk it serves, as
@@ -110,6 +110,23 @@ class Recompute(ModelTransform):
         return f"recompute {', '.join(modules)}: {changed} block(s)"
 
 
+class Fp8(ModelTransform):
+    name = "fp8"
+    # (it replaces each layer's GEMM function only: weights, LoRA hooks, recompute wrappers, DDP
+    # buffers and the grad-accumulation flag are untouched, so it needs nothing before it)
+    before = {"decoder_graphs": "the graphs capture the GEMMs the layers have at capture time",
+              "vision_graphs": "the graphs capture the GEMMs the layers have at capture time"}
+
+    def applies(self, cfg, rt):
+        return cfg.train.fp8 is not None
+
+    def apply(self, build):
+        from models.common.fp8 import convert
+
+        t = build.cfg.train
+        return "; ".join(convert(chunk, t.fp8, t.fp8_exclude).line() for chunk in build.chunks)
+
+
 class DDPWrap(ModelTransform):
     name = "ddp"
     after = {"layout_init": "DDP's buffers take the weights as they are at the wrap",
@@ -203,8 +220,7 @@ class VisionGraphs(ModelTransform):
 
 # The order every run uses. Optional transforms that do not apply are skipped, never reordered.
 TRANSFORMS: tuple[ModelTransform, ...] = (
-    LayoutInit(), Freeze(), Lora(), Recompute(),
-    # a weight conversion (FP8) goes here: after the adapters exist, before DDP takes the weights
+    LayoutInit(), Freeze(), Lora(), Recompute(), Fp8(),
     DDPWrap(), WgradFusion(), DecoderGraphs(), VisionGraphs(),
 )
 
@@ -235,7 +251,11 @@ def plan(cfg: Config, rt: Runtime, transforms=None) -> list[ModelTransform]:
     every setting that cannot run here refused before anything is built."""
     transforms = TRANSFORMS if transforms is None else transforms
     check_order(transforms)
-    return [t for t in transforms if t.applies(cfg, rt)]
+    planned = [t for t in transforms if t.applies(cfg, rt)]
+    skipped = [t.name for t in transforms if t not in planned]
+    log.info("model transforms, in order: %s%s", ", ".join(t.name for t in planned),
+             f" (not wanted by this config: {', '.join(skipped)})" if skipped else "")
+    return planned
 
 
 def apply_all(build: ModelBuild, planned: list[ModelTransform]) -> ModelBuild:
