@@ -13,8 +13,8 @@ An architecture is a folder ``models/<name>/`` plus one entry in ``MODEL_REGISTR
   of the whole model (total, active) for ``--dry-run``;
 - ``activation_bytes_per_token`` / ``vision_bytes_per_patch``: the activation terms of the dry
   run's memory estimate, per decoder layer kind and per image patch;
-- ``recompute_modules`` / ``recompute_mixers`` / ``vision_graph_buckets``: what it has of the
-  trainer's selective recompute and vision CUDA graphs;
+- ``recompute_modules`` / ``mixer_checkpoints`` / ``graph_row_buffers`` / ``vision_graph_buckets``:
+  what it has of the trainer's selective recompute and CUDA graphs, and what its mixers need of them;
 - ``packed_row_extras``: what its layers need of a packed micro-batch, built once on the host;
 - ``hf_adapter`` / ``hf_model_types``: its Hugging Face conversion and parity tools, and the
   config.json ``model_type`` values they read (``get_hf_adapter``, ``family_for_hf_config``).

@@ -1,14 +1,17 @@
 """What an architecture provides to the trainer: one ``ModelFamily`` per entry of ``models.MODEL_REGISTRY``.
 
 The trainer (``multimodal/``) reaches an architecture only through these fields, so the knowledge
-of its layers (layer kinds, widths, module classes) stays in its folder ``models/<name>/``. This
-module imports no torch or megatron: the dry run and the FLOP count load it on a machine without
-GPUs, in well under a second.
+of its layers (layer kinds, widths, module classes) stays in its folder ``models/<name>/``.
+Importing this module, the registry (``models``) or a family's config, validate and count
+modules loads no torch or megatron (tests/test_model_family.py checks it in a fresh process):
+the dry run and the FLOP count read them on a machine without GPUs, in well under a second.
+What needs torch is imported when called.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -30,6 +33,43 @@ class StageParams:
     @property
     def dense(self) -> int:
         return self.total - self.expert
+
+
+class GraphRowBuffers:
+    """What a family's layers read of a packed row beyond its boundaries, held for the decoder CUDA
+    graphs (models/performance/layer_graphs.StaticBatch). A graph replays fixed addresses and
+    shapes, so each such piece of ``PackedRowParams`` is a static buffer refilled on the device
+    from every micro-batch. This base class is a family whose layers need nothing more."""
+
+    def __init__(self, fields: dict | None = None):
+        self.fields = fields or {}  # PackedRowParams field -> the static value the graphed layers read
+
+    def refusal(self, params) -> str | None:
+        """None if a micro-batch's ``PackedRowParams`` fits these buffers, else why not (counted
+        as an eager micro-batch under that reason)."""
+        return None
+
+    def load(self, params) -> None:
+        """Copy a micro-batch's values into the buffers (on the device, no host sync); the static
+        boundaries already hold its segments."""
+
+    def capturing(self) -> contextlib.AbstractContextManager:
+        """A context the warm-up and capture run in (e.g. a kernel library's caches turned off)."""
+        return contextlib.nullcontext()
+
+
+class MixerCheckpoints:
+    """What ``ModelFamily.mixer_checkpoints`` installs its blocks through (one per decoder layer,
+    multimodal/performance/recompute.py): ``checkpoint(fn, *args)`` runs ``fn(*args)`` as a
+    discard-output block of the layer's mixer half (its outputs are freed once the mixer has
+    returned and regenerated before backward reads them) and returns its outputs; ``active()``
+    says whether blocks are being discarded now (training with grad)."""
+
+    def checkpoint(self, fn: Callable, *args):
+        raise NotImplementedError
+
+    def active(self) -> bool:
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -66,11 +106,21 @@ class ModelFamily:
       token of one decoder layer of that kind}; ``layout`` has ``tp`` and ``sequence_parallel``.
     - ``vision_bytes_per_patch(m)`` -> bytes of saved activations per image patch in the encoder.
     - ``recompute_modules``: the ``train.recompute_modules`` entries its layers have (others are
-      refused at start-up); the default is what every attention layer has.
-    - ``recompute_mixers()`` -> the token-mixer classes whose blocks ``train.recompute_modules``
-      ``gdn_qkv`` / ``gdn_norm_out`` checkpoint (multimodal/performance/recompute.py). Such a mixer has
-      ``in_proj``, ``prepare(hidden, cu_seqlens, varlen)`` and ``norm_out(core, z)``; a family
-      without one returns ``()``. Called only when recompute is installed (it may import torch).
+      refused at start-up), in the order a memory sweep tries them alone; the default is what
+      every attention layer has. ``recompute_modules_no_cp``: those of its own entries that do not
+      work with context parallelism (refused with ``parallel.cp > 1``).
+    - ``mixer_checkpoints(mixer, modules, blocks)`` -> how many blocks of ``mixer`` (a decoder
+      layer's ``self_attention``) it set to be recomputed for the ``train.recompute_modules``
+      entries ``modules``, each installed through ``blocks`` (a ``MixerCheckpoints``); 0 for a
+      mixer that is not one of its own (every registered family is asked). The trainer handles
+      the entries of megatron's modules itself (``core_attn``, ``layernorm``, ``shared_experts``,
+      ``moe_act``). Called only when recompute is installed (it may import torch).
+    - ``graph_row_buffers(layers, cu_seqlens, seq, max_samples, one_segment)`` -> the
+      ``GraphRowBuffers`` its mixers among ``layers`` (a decoder's layers) need under the decoder
+      CUDA graphs, None when none of them is its own (every registered family is asked).
+      ``cu_seqlens``: the graphs' static int64 boundaries, ``max_samples + 2`` entries filled
+      before ``load``; segment ``max_samples`` is always empty (a target for padding). ``seq``:
+      the row length; ``one_segment``: the buffers serve one-sample rows (exact max_seqlen).
     - ``packed_row_extras(cu_seqlens, device)`` -> {``models.common.packed_seq.PackedRowParams``
       field: value} built once per packed micro-batch from its host cu_seqlens (the padded ones
       when given) and handed to every layer (Qwen3.5: the GDN layers' chunk table,
@@ -112,7 +162,10 @@ class ModelFamily:
     video_position_grids: Callable = lambda grid: grid.reshape(-1, 3)
     vision_graph_buckets: Callable[[int, int], list[int]] | None = None
     recompute_modules: tuple[str, ...] = ("core_attn", "layernorm")
-    recompute_mixers: Callable[[], Iterable[type]] = lambda: ()
+    recompute_modules_no_cp: tuple[str, ...] = ()
+    mixer_checkpoints: Callable[..., int] = lambda mixer, modules, blocks: 0
+    graph_row_buffers: Callable[..., GraphRowBuffers | None] = (
+        lambda layers, cu_seqlens, seq, max_samples, one_segment: None)
     packed_row_extras: Callable[..., dict] = lambda cu_seqlens, device: {}
     prepare_host_batch: Callable[..., None] | None = None
     hf_adapter: Callable[[], object] | None = None

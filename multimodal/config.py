@@ -554,7 +554,7 @@ def _validate_graphs(cfg: Config) -> None:
         return
     from models.performance.layer_graphs import refusal
 
-    why = refusal(cfg)
+    why = refusal(cfg.model, cfg.parallel, cfg.data.pack, cfg.train.recompute_modules, cfg.train.micro_batch_size)
     _require(why is None, f"train.cuda_graphs: {why}")
     buckets = get_model_family(cfg.model.name).vision_graph_buckets
     warmup = vision_warmup_patches(cfg)

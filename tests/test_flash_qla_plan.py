@@ -134,7 +134,7 @@ def test_eager_rows_plan_lazily_from_their_host_boundaries_once(monkeypatch):
 
 
 def test_graphs_find_the_flash_qla_head_count_in_the_layers():
-    from models.performance.layer_graphs import flash_qla_heads
+    from models.qwen35_vl.layer_hooks import flash_qla_heads
 
     class GDN(torch.nn.Module):
         def __init__(self, backend):

@@ -17,39 +17,57 @@ from models.performance import layer_graphs, wgrad_fusion
 from multimodal.config import ConfigError, load_config, validate
 
 
-def test_static_batch_pads_segments_and_chunk_table():
+def test_static_batch_pads_segments_and_the_familys_chunk_table(monkeypatch):
+    """The boundaries are padded by the shared StaticBatch; the GDN chunk table by the buffers
+    Qwen3.5's ``graph_row_buffers`` hook makes for layers holding a GDN module."""
     from fused_kernels.gated_delta_rule import GDNVarlen
     from models.common.packed_seq import PackedRowParams
+    from models.qwen35_vl import layer_hooks
 
+    gdn = torch.nn.Linear(2, 2)  # stands in for a GDN layer: the hook finds its modules by class
+    gdn.kernel_backend = "fla"
+    monkeypatch.setattr(layer_hooks, "Qwen35GatedDeltaNet", torch.nn.Linear)
     cu = torch.tensor([0, 10, 300, 384], dtype=torch.int32)
     varlen = GDNVarlen.from_host(cu, "cpu")
     params = PackedRowParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_q_padded=cu, gdn_varlen=varlen)
     rope = torch.arange(3 * 384).reshape(3, 1, 384)
-    static = layer_graphs.StaticBatch(384, 8, rope, "cpu")
+    static = layer_graphs.StaticBatch(384, 8, rope, "cpu", layers=[torch.nn.Sequential(gdn)])
+    [rows] = static.extras
+    assert isinstance(rows, layer_hooks.GDNGraphRows) and static.params.gdn_varlen.chunk_indices is rows.chunks
+    assert static.params.gdn_varlen.cu_seqlens is static.cu64
     assert static.refusal(params, rope) is None
     static.load(params, rope)
     assert static.cu32.tolist() == [0, 10, 300, 384] + [384] * 6  # empty segments up to 8, + 1 always empty
     assert torch.equal(static.cu64, static.cu32.long())
-    real = varlen.chunk_indices.shape[0]  # 1 + 5 + 2 chunks of 64
-    assert real == 8
-    assert torch.equal(static.chunks[:real], varlen.chunk_indices)
-    assert static.chunks.shape[0] == 384 // 64 + 8
-    assert (static.chunks[real:] == torch.tensor([8, 0])).all()  # segment 8: [384, 384), masked out
+    # the chunk table counted from the lengths by hand: 10 -> 1 chunk of 64, 290 -> 5, 84 -> 2
+    want = [[0, 0], *([1, j] for j in range(5)), [2, 0], [2, 1]]
+    assert rows.chunks[:8].tolist() == want
+    assert rows.chunks.shape[0] == 384 // 64 + 8
+    assert (rows.chunks[8:] == torch.tensor([8, 0])).all()  # segment 8: [384, 384), masked out
     assert torch.equal(static.rope, rope)
     many = torch.arange(0, 385, 32, dtype=torch.int32)  # 12 samples > 8
     crowded = PackedRowParams(qkv_format="thd", cu_seqlens_q=many, cu_seqlens_q_padded=many,
                               gdn_varlen=GDNVarlen.from_host(many, "cpu"))
     assert "cuda_graphs.max_samples=8" in static.refusal(crowded, rope)
+    bare = PackedRowParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_q_padded=cu)
+    assert "no GDN chunk table" in static.refusal(bare, rope)
+    # layers without a GDN module: no family adds buffers, and a row without a chunk table fits
+    plain = layer_graphs.StaticBatch(384, 8, rope, "cpu", layers=[torch.nn.Sequential(torch.nn.ReLU())])
+    assert plain.extras == [] and plain.params.gdn_varlen is None and plain.refusal(bare, rope) is None
 
 
-def _setup(overrides=()):
-    cfg, model = proxy_model(overrides)
+TINY = "tests/fixtures/tiny_dense_vl.yaml"  # no GDN layers: a family without graph_row_buffers
+
+
+def _setup(overrides=(), config=PROXY):
+    cfg, model = proxy_model(overrides, config=config)
     return model, wrap_ddp(model), packed_rows(cfg, [(0, 1), (2,), (3, 4, 5)])
 
 
-@pytest.mark.parametrize("fused, to_main_grad", [(False, False), (True, False), (False, True), (True, True)])
-def test_graphed_layers_equal_eager_layers(mcore, fused, to_main_grad):
-    model, ddp, batches = _setup()
+@pytest.mark.parametrize("fused, to_main_grad, config", [
+    (False, False, PROXY), (True, False, PROXY), (False, True, PROXY), (True, True, PROXY), (True, True, TINY)])
+def test_graphed_layers_equal_eager_layers(mcore, fused, to_main_grad, config):
+    model, ddp, batches = _setup(config=config)
     if fused:
         assert wgrad_fusion.enable(ddp) > 0
     eager_losses, eager_grads = accumulate(ddp, model, batches)

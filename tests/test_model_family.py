@@ -40,7 +40,9 @@ def test_a_registered_family_is_what_the_trainer_dispatches_to(monkeypatch):
     sp = dry_run.stage_params(m, tp=2)
     assert sp.layers == {"mixer": 2} and sp.total == 10
     assert dry_run.model_params(m) == (16, 16)
-    assert tuple(fake.recompute_mixers()) == ()  # the default: no mixer for gdn_qkv / gdn_norm_out
+    # the defaults: no mixer blocks to recompute, no row buffers under the decoder graphs
+    assert fake.mixer_checkpoints(object(), ["gdn_qkv"], None) == 0 and fake.recompute_modules_no_cp == ()
+    assert fake.graph_row_buffers([], None, 384, 8, False) is None
 
 
 def test_an_unknown_name_is_a_one_line_error():
@@ -88,3 +90,19 @@ def test_packed_row_extras_are_the_familys():
     assert get_model_family("tiny_dense_vl").packed_row_extras(cu, torch.device("cpu")) == {}
     extras = get_model_family("qwen35_vl").packed_row_extras(cu, torch.device("cpu"))
     assert set(extras) == {"gdn_varlen"} and torch.equal(extras["gdn_varlen"].cu_seqlens, cu.long())
+
+
+def test_registering_the_families_imports_no_torch():
+    """models/family.py's promise: the registry and each family's family, config, validate and count
+    modules load without torch or megatron (the dry run and the FLOP count read them)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    names = ["models", "models.family"] + [f"models.{name}.{part}" for name in MODEL_REGISTRY
+                                           for part in ("family", "config", "validate")]
+    code = (f"import importlib, sys\nfor n in {names!r}: importlib.import_module(n)\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'megatron', 'transformers'}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

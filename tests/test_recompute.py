@@ -83,6 +83,18 @@ def test_moe_recompute_matches(mcore, modules, exact):
     assert rec[2] < base[2]
 
 
+def test_a_family_without_mixer_blocks_recomputes_the_shared_modules(mcore):
+    """tiny_dense_vl (attention mixers, no ``mixer_checkpoints`` hook): layernorm and core_attn
+    through the shared code, bit for bit, and no family installs a block in its mixers."""
+    model, batch = _model_and_batch("tests/fixtures/tiny_dense_vl.yaml")
+    layers = model.config.num_layers
+    base = _step(model, batch)
+    assert apply_recompute(model, ["layernorm", "core_attn"]) == 3 * layers  # two norms and core_attn a layer
+    rec = _step(model, batch)
+    _assert_bit_exact(rec, base)
+    assert rec[2] < base[2]
+
+
 def test_recompute_modules_are_validated():
     assert check_modules(["core_attn", "gdn_qkv"]) is None
     assert "unknown" in check_modules(["attn"])

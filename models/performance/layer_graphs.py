@@ -1,17 +1,17 @@
 """CUDA graphs for the decoder layers (``train.cuda_graphs``).
 
-Why: on the 2B recipe the GPU idled ~40% of each step because the host could not issue the
-~4,800 kernels of a step fast enough (docs/kernels.md, CUDA graphs). A CUDA graph per
-decoder layer and direction replays all of a layer's kernels with one host call.
+Why: the host cannot issue the thousands of small kernels of a step as fast as the GPU runs them,
+so the GPU idles (docs/kernels.md, CUDA graphs). A CUDA graph per decoder layer and direction
+replays all of a layer's kernels with one host call.
 
 How:
 - Static inputs. A graph replays fixed addresses and shapes, so every micro-batch's layer
   metadata is copied (on the device, no host sync) into buffers of one fixed shape:
-  ``cu_seqlens`` padded with empty segments at the end up to ``max_samples`` segments, the GDN
-  chunk table (``fused_kernels.gated_delta_rule.GDNVarlen``) padded to its largest possible length
-  with rows that point at an always-empty segment (every kernel masks them out), ``max_seqlen``
-  fixed at the row length, and the MRoPE positions. Real rows and segments are unchanged, so the
-  numbers are the eager ones.
+  ``cu_seqlens`` padded with empty segments at the end up to ``max_samples`` segments (one more
+  always empty, for padding to point at), ``max_seqlen`` fixed at the row length, the rotary
+  positions, and what the family's mixers read beyond these: each registered family's
+  ``graph_row_buffers`` (models/family.py) supplies those buffers for the layers it recognises.
+  Real rows and segments are unchanged, so the numbers are the eager ones.
 - Capture, once, at the first eligible micro-batch: a few eager warm-up passes of every layer
   (Triton autotuning, torch.compile), then the forward graphs of all layers in
   order and their backward graphs in reverse order, in one memory pool, which is the order
@@ -36,61 +36,52 @@ import contextlib
 import functools
 import gc
 import logging
-import sys
 import time
 from collections import Counter
 
 import torch
 
-from fused_kernels.gated_delta_rule import FLA_CHUNK_SIZE, GDNVarlen
-from models.performance.main_grad_add import add_into_main_grads
 from models.common.packed_seq import PackedRowParams, cp_info, segment_boundaries
+# EagerStandIn: re-exported, the graph factory the CPU tests hand graph_decoder_layers
+from models.performance.graph_replay import (WARMUP_ITERS, EagerStandIn, LayerGraph, Replay,  # noqa: F401
+                                             count_eager, failure_summary, graph_backward, record)
 
 log = logging.getLogger(__name__)
-WARMUP_ITERS = 2
 
 
 class StaticBatch:
     """Fixed-shape device buffers for one packed row of ``seq`` tokens with at most
-    ``max_samples`` segments; ``load`` fills them from a micro-batch's PackedRowParams."""
+    ``max_samples`` segments; ``load`` fills them from a micro-batch's PackedRowParams. What the
+    family's layers read beyond the boundaries (a GDN layer's chunk table, say) comes from each
+    registered family's ``graph_row_buffers`` for ``layers``."""
 
     def __init__(self, seq: int, max_samples: int, rope: torch.Tensor, device, one_segment: bool = False,
-                 flash_qla_heads: int | None = None):
+                 layers=()):
         """``one_segment``: metadata for rows that hold one sample; ``max_seqlen`` is then exact
-        and attention may take its offset-free path (PackedRowParams.one_segment).
-        ``flash_qla_heads``: the GDN layers' value heads when they run FlashQLA (its fixed plan)."""
+        and attention may take its offset-free path (PackedRowParams.one_segment)."""
+        from models import MODEL_REGISTRY
+
         self.seq, self.max_samples = seq, max_samples
         n_cu = max_samples + 2  # segment ``max_samples`` is always empty: the padding rows' target
         self.cu32 = torch.full((n_cu,), seq, dtype=torch.int32, device=device)
         self.cu64 = torch.full((n_cu,), seq, dtype=torch.int64, device=device)
-        # sum over samples of ceil(len / chunk) <= seq / chunk + samples
-        self.chunks = torch.zeros((seq // FLA_CHUNK_SIZE + max_samples, 2), dtype=torch.int64, device=device)
         self.rope = torch.zeros_like(rope)
-        self.qla = None  # FlashQLA's fixed-shape plan, when that GDN backend runs
-        if flash_qla_heads is not None:
-            from fused_kernels.flash_qla_gdr import StaticPlan
-
-            self.qla = StaticPlan(self.cu64, self.chunks, seq, flash_qla_heads, one_segment)
+        made = (f.graph_row_buffers(layers, self.cu64, seq, max_samples, one_segment) for f in MODEL_REGISTRY.values())
+        self.extras = [b for b in made if b is not None]
+        fields = {k: v for b in self.extras for k, v in b.fields.items()}
         self.params = PackedRowParams(
             qkv_format="thd", cu_seqlens_q=self.cu32, cu_seqlens_kv=self.cu32, cu_seqlens_q_padded=self.cu32,
-            cu_seqlens_kv_padded=self.cu32, max_seqlen_q=seq, max_seqlen_kv=seq,
-            gdn_varlen=GDNVarlen(self.cu64, self.chunks, None if self.qla is None else self.qla.plan,
-                                 qla_heads=flash_qla_heads),
-            static_shape=not one_segment)
+            cu_seqlens_kv_padded=self.cu32, max_seqlen_q=seq, max_seqlen_kv=seq, static_shape=not one_segment,
+            **fields)
 
     def refusal(self, params, rope) -> str | None:
         """None if this micro-batch fits the buffers, else why not."""
         if rope is None or rope.shape != self.rope.shape or rope.dtype != self.rope.dtype:
-            return "MRoPE input of another shape"
+            return "rotary input of another shape"
         samples = segment_boundaries(params).numel() - 1
         if samples > self.max_samples:
             return f"more than train.cuda_graphs.max_samples={self.max_samples} samples in a row"
-        varlen = params.gdn_varlen
-        if varlen is None:
-            return "no GDN chunk table (the model family's packed_row_extras builds one for packed rows)"
-        if varlen.chunk_indices.shape[0] > self.chunks.shape[0]:
-            return "a GDN chunk table longer than the static one"
-        return None
+        return next((r for r in (b.refusal(params) for b in self.extras) if r is not None), None)
 
     def load(self, params, rope) -> None:
         """Copy a micro-batch's metadata in (device to device, no host sync)."""
@@ -99,86 +90,17 @@ class StaticBatch:
         self.cu32[:n].copy_(cu, non_blocking=True)
         self.cu32[n:].fill_(self.seq)
         self.cu64.copy_(self.cu32, non_blocking=True)
-        chunks = params.gdn_varlen.chunk_indices
-        self.chunks[: chunks.shape[0]].copy_(chunks, non_blocking=True)
-        self.chunks[chunks.shape[0]:, 0].fill_(self.max_samples)  # the empty segment: masked out
-        self.chunks[chunks.shape[0]:, 1].fill_(0)
         self.rope.copy_(rope, non_blocking=True)
-        if self.qla is not None:
-            self.qla.load()
+        for b in self.extras:
+            b.load(params)
 
-
-class LayerGraph:
-    """One layer's forward and backward graphs and their static tensors."""
-
-    def __init__(self, params: list[torch.nn.Parameter], fused: set[int], to_main_grad: bool = False):
-        self.params = params
-        self.fused = fused  # indices into params whose weight gradient the graph adds to main_grad
-        # to_main_grad: the backward graph also adds every other parameter gradient it computes into
-        # main_grad (``added``, filled at capture), instead of handing autograd a static copy that
-        # AccumulateGrad clones and DDP's hook then adds: two passes over the gradients saved
-        self.to_main_grad = to_main_grad
-        self.added: set[int] = set()
-        self.fwd = self.bwd = None
-        self.static_in = self.static_out = self.static_grad_out = None
-        self.static_grads: tuple = ()
-
-    def param_grads(self) -> list:
-        out = []
-        for i, (p, g) in enumerate(zip(self.params, self.static_grads[1:])):
-            if i in self.fused or i in self.added:
-                # megatron's convention for a gradient already in main_grad: a placeholder the
-                # DDP hook skips because of the flag (a fresh tensor, so autograd does not copy it)
-                p.grad_added_to_main_grad = True
-                out.append(torch.empty_like(p))
-            else:
-                out.append(g)
-        return out
-
-
-class Replay(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, graph: LayerGraph, hidden: torch.Tensor, *params):
-        ctx.graph = graph
-        graph.static_in.copy_(hidden)
-        graph.fwd.replay()
-        return graph.static_out.detach()
-
-    @staticmethod
-    def backward(ctx, grad):
-        graph = ctx.graph
-        graph.static_grad_out.copy_(grad)
-        graph.bwd.replay()
-        return (None, graph.static_grads[0], *graph.param_grads())
-
-
-@contextlib.contextmanager
-def _fla_cache_off():
-    """fla memoises per-tensor metadata (chunk offsets) by object identity; over static buffers
-    whose contents change that would bake the warm-up batch's values into the graphs."""
-    module = sys.modules.get("fla.utils")
-    if module is None:
-        yield
-        return
-    saved = getattr(module, "FLA_DISABLE_TENSOR_CACHE", False)
-    module.FLA_DISABLE_TENSOR_CACHE = True
-    try:
-        yield
-    finally:
-        module.FLA_DISABLE_TENSOR_CACHE = saved
-
-
-def count_eager(counter: Counter, reason: str, what: str) -> None:
-    """Count a micro-batch that runs eagerly instead of through graphs; warn once per reason."""
-    if reason not in counter:
-        log.warning("CUDA graphs: a micro-batch runs the eager %s (%s); counted in cuda_graph_eager_batches",
-                    what, reason)
-    counter[reason] += 1
-
-
-def failure_summary(e: Exception) -> str:
-    """A capture failure in one line: the exception type and its message's first line."""
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    @contextlib.contextmanager
+    def capturing(self):
+        """The families' capture contexts, entered together."""
+        with contextlib.ExitStack() as stack:
+            for b in self.extras:
+                stack.enter_context(b.capturing())
+            yield
 
 
 def _fused_linears(layer: torch.nn.Module) -> list[torch.nn.Module]:
@@ -295,7 +217,7 @@ class DecoderGraphs:
     # ------------------------------------------------------------------ capture
     def _try_capture(self, hidden, kw, kind: str) -> str | None:
         static = StaticBatch(hidden.shape[0], self.max_samples, kw["rotary_pos_emb"], hidden.device,
-                             one_segment=kind == ONE_SEGMENT, flash_qla_heads=flash_qla_heads(self.layers))
+                             one_segment=kind == ONE_SEGMENT, layers=self.layers)
         reason = static.refusal(kw["packed_seq_params"], kw["rotary_pos_emb"])
         if reason is not None:
             return reason
@@ -335,7 +257,7 @@ class DecoderGraphs:
         if on_gpu and torch.cuda.current_stream() == torch.cuda.default_stream():
             raise RuntimeError("the trainer must run on a side stream (see use_side_stream()); the capture would "
                                "join the default stream through DDP's gradient accumulator nodes")
-        with _fla_cache_off():
+        with static.capturing():
             # warm-up: eager passes with the plain weight-gradient path (it must not touch main_grad),
             # on the stream the graphs are captured on (cuBLAS workspaces, Triton autotuning)
             for m in fused_modules:
@@ -396,98 +318,19 @@ def _warm_fused_wgrad(modules, hidden) -> None:
         wgrad_gemm_accum_fp32(x, g, torch.zeros(shape, dtype=torch.float32, device=hidden.device))
 
 
-def flash_qla_heads(layers) -> int | None:
-    """The value heads of the layers' GDN modules when they run FlashQLA, else None (the graphs
-    then give FlashQLA a fixed-shape plan, fused_kernels/flash_qla_gdr.StaticPlan)."""
-    for layer in layers:
-        for module in layer.modules():
-            if getattr(module, "kernel_backend", None) == "flash_qla":
-                return module.num_v_heads_local_tp
-    return None
-
-
-def graph_backward(graph: LayerGraph):
-    """The backward a graph captures: input and parameter gradients. With ``graph.to_main_grad``
-    each parameter gradient is added into its main_grad here and not returned (None).
-
-    Only for parameters used inside the graph alone (a decoder layer's, the vision blocks'): autograd
-    would otherwise sum the placeholder with the gradient from outside, which the flagged DDP hook
-    then drops. Parameters without a gradient here (unused, or used only outside) are left alone."""
-    # the test stand-in (EagerStandIn) re-runs the forward at each replay: use its latest output
-    out = getattr(graph.fwd, "latest", graph.static_out)
-    grads = torch.autograd.grad(out, graph_inputs(graph.static_in, graph.params), graph.static_grad_out,
-                                allow_unused=True)
-    if not graph.static_in.requires_grad:
-        grads = (None, *grads)
-    kept = [grads[0]]
-    mains, to_add = [], []
-    for j, (p, g) in enumerate(zip(graph.params, grads[1:])):
-        if j in graph.fused:
-            # megatron's placeholder (an unwritten weight-sized tensor): kept as a static output it
-            # would hold graph-pool memory the size of every fused weight, never read (param_grads
-            # hands autograd fresh ones).
-            g = None
-        elif graph.to_main_grad and g is not None and getattr(p, "main_grad", None) is not None:
-            mains.append(p.main_grad)  # replayed: main_grad += this micro-batch's gradient
-            to_add.append(g)
-            graph.added.add(j)
-            g = None
-        kept.append(g)
-    add_into_main_grads(mains, to_add)  # the small ones in two kernels, not one each
-    return tuple(kept)
-
-
-def graph_inputs(static_in: torch.Tensor, params) -> tuple:
-    """What a captured backward differentiates: the parameters, and the input when it needs a
-    gradient (a frozen vision tower's output does not: the backward then stops at the merger)."""
-    return (static_in, *params) if static_in.requires_grad else tuple(params)
-
-
-def record(graph, fn, pool):
-    """Capture ``fn`` into ``graph`` and return its (static) outputs."""
-    if isinstance(graph, torch.cuda.CUDAGraph):
-        # On the trainer's own stream: the backward then meets DDP's gradient accumulator nodes
-        # (created on that stream) without a cross-stream wait, which would invalidate the capture.
-        # thread_local: the data loader's threads may pin host memory meanwhile.
-        with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"):
-            return fn()
-    return graph.capture(fn)
-
-
-class EagerStandIn:
-    """What a CUDA graph does, done eagerly, so the CPU tests run the whole graphed path (static
-    buffers, replay node, gradient routing): ``capture`` runs ``fn`` and keeps its outputs as the
-    static ones; ``replay`` runs it again and copies the results into them."""
-
-    def capture(self, fn):
-        self.fn = fn
-        self.static = self.latest = fn()
-        return self.static
-
-    def replay(self):
-        with torch.enable_grad():  # replay runs inside the autograd node's forward (no grad mode)
-            self.latest = self.fn()
-        with torch.no_grad():
-            if isinstance(self.static, torch.Tensor):
-                self.static.copy_(self.latest)
-            else:
-                for dst, src in zip(self.static, self.latest):
-                    if dst is not None:
-                        dst.copy_(src)
-
-
-def refusal(cfg) -> str | None:
-    """None if ``train.cuda_graphs`` can run with this config, else why not (for validate())."""
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    if not cfg.data.pack:
+def refusal(model_cfg, parallel_cfg, pack: bool, recompute_modules, micro_batch_size: int) -> str | None:
+    """None if ``train.cuda_graphs`` can run with the recipe's ``model`` and ``parallel`` sections,
+    ``data.pack``, ``train.recompute_modules`` and ``train.micro_batch_size``, else why not."""
+    p = parallel_cfg
+    if not pack:
         return "needs data.pack=true (graphs replay one packed row of train.seq_length tokens)"
     if p.pp > 1 or p.tp > 1 or p.cp > 1:
         return "needs parallel.pp = tp = cp = 1 (data parallelism is fine)"
     # MoE decoder layers stay eager (decoder_layers_graphable): the graphs are the vision
     # encoder's only, and recompute of the eager decoder is fine
-    if t.recompute_modules and decoder_layers_graphable(m) is None:
+    if recompute_modules and decoder_layers_graphable(model_cfg) is None:
         return "cannot be combined with train.recompute_modules"
-    if t.micro_batch_size != 1:
+    if micro_batch_size != 1:
         return "needs train.micro_batch_size=1 (one packed row per micro-batch)"
     return None
 

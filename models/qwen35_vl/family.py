@@ -57,10 +57,16 @@ def _vision_graph_buckets(max_patches: int, unit: int) -> list[int]:
     return bucket_sizes(max_patches, unit)
 
 
-def _recompute_mixers() -> tuple[type, ...]:
-    from models.qwen35_vl.gdn import Qwen35GatedDeltaNet
+def _mixer_checkpoints(mixer, modules, blocks) -> int:
+    from models.qwen35_vl.layer_hooks import mixer_checkpoints  # torch: imported when recompute is installed
 
-    return (Qwen35GatedDeltaNet,)
+    return mixer_checkpoints(mixer, modules, blocks)
+
+
+def _graph_row_buffers(*args):
+    from models.qwen35_vl.layer_hooks import graph_row_buffers  # torch: imported when graphs are installed
+
+    return graph_row_buffers(*args)
 
 
 FAMILY = ModelFamily(
@@ -76,8 +82,10 @@ FAMILY = ModelFamily(
     video_position_grids=_video_position_grids,
     validate=validate,
     vision_graph_buckets=_vision_graph_buckets,
-    recompute_modules=("core_attn", "layernorm", "shared_experts", "gdn_qkv", "gdn_norm_out", "moe_act"),
-    recompute_mixers=_recompute_mixers,
+    recompute_modules=("layernorm", "gdn_qkv", "gdn_norm_out", "core_attn", "moe_act", "shared_experts"),
+    recompute_modules_no_cp=("gdn_qkv", "gdn_norm_out"),  # under CP the GDN layers take another path
+    mixer_checkpoints=_mixer_checkpoints,
+    graph_row_buffers=_graph_row_buffers,
     packed_row_extras=_packed_row_extras,
     prepare_host_batch=_prepare_host_batch,
     hf_adapter=_hf_adapter,

@@ -6,13 +6,16 @@ are multimodal/config.py's."""
 from __future__ import annotations
 
 from core.errors import require
-from fused_kernels.gated_delta_rule import GDN_BACKENDS
-from models.base import PARAMETER_GROUPS
 from models.qwen35_vl.config import ModelConfig
 
 
 def validate(m: ModelConfig, p) -> None:
     """``p``: the recipe's parallel section (models/common/parallel_config.py)."""
+    # torch and megatron come with these: imported when the rules run, so that registering the
+    # family (models/family.py) stays torch-free
+    from fused_kernels.gated_delta_rule import GDN_BACKENDS
+    from models.base import PARAMETER_GROUPS
+
     require(m.full_attention_interval >= 1,
             f"model.full_attention_interval must be >= 1, got {m.full_attention_interval}")
     require(m.gdn_backend in GDN_BACKENDS,

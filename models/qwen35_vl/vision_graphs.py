@@ -47,8 +47,8 @@ import torch
 import torch.nn.functional as F
 
 from models.common.buckets import bucket_rows  # the padded row count of a micro-batch
-from models.performance.layer_graphs import (WARMUP_ITERS, LayerGraph, Replay, count_eager, failure_summary,
-                                       graph_backward, graph_inputs, record)
+from models.performance.graph_replay import (WARMUP_ITERS, LayerGraph, Replay, count_eager, failure_summary,
+                                             graph_backward, graph_inputs, record)
 from models.qwen35_vl.vision_geometry import VisionGeometry
 
 log = logging.getLogger(__name__)

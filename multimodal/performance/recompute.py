@@ -1,18 +1,18 @@
 """Selective activation recompute (``train.recompute_modules``), applied to a built model.
 
 Modules:
-- ``layernorm`` (the layer's input and pre-MLP RMSNorms), ``gdn_qkv`` (the whole Gated
-  DeltaNet input block: ``in_proj`` + ``prepare``: conv, SiLU, l2-norm, head repeat, beta, g)
-  and ``gdn_norm_out`` (the gated RMSNorm before ``out_proj``): ours, discard-output
-  checkpointing. The block runs without autograd in forward; its outputs are consumed as usual
-  and, once the mixer (or the MLP) has returned, their storage is freed; a gradient hook on the
-  mixer's (MLP's) output regenerates them into the same storage before any backward reads
-  them. The blocks of one half-layer depend on each other (input norm -> gdn_qkv -> z ->
-  gdn_norm_out), so one manager per layer replays them from one hook in forward order.
-  megatron-core 0.19.2 has the same idea (``CheckpointWithoutOutput``), but its default
-  constructor takes the transformer-engine FP8 path (``fp8 is not None`` with fp8=False) and it
-  compiles a C++ extension at run time to alias the storage; ours copies the regenerated block
-  into the freed storage instead (one memcpy of the block, no compiler needed).
+- ``layernorm`` (the layer's input and pre-MLP RMSNorms) and the mixers' own blocks, which each
+  model family installs through ``ModelFamily.mixer_checkpoints`` (Qwen3.5: ``gdn_qkv``,
+  ``gdn_norm_out``, models/qwen35_vl/layer_hooks.py): ours, discard-output checkpointing. The
+  block runs without autograd in forward; its outputs are consumed as usual and, once the mixer
+  (or the MLP) has returned, their storage is freed; a gradient hook on the mixer's (MLP's) output
+  regenerates them into the same storage before any backward reads them. The blocks of one
+  half-layer depend on each other (input norm -> mixer input block -> mixer output norm), so one
+  manager per layer replays them from one hook in forward order. megatron-core 0.19.2 has the
+  same idea (``CheckpointWithoutOutput``), but its default constructor takes the
+  transformer-engine FP8 path (``fp8 is not None`` with fp8=False) and it compiles a C++
+  extension at run time to alias the storage; ours copies the regenerated block into the freed
+  storage instead (one memcpy of the block, no compiler needed).
 - ``core_attn``, ``shared_experts``: megatron's own selective recompute of those modules
   (``tensor_parallel.checkpoint``: the block's internals are recomputed in backward).
 - ``moe_act``: the routed experts' weighted SwiGLU (models/common/grouped_experts.py): the
@@ -29,39 +29,49 @@ from __future__ import annotations
 
 import torch
 
-SUPPORTED = ("core_attn", "layernorm", "shared_experts", "gdn_qkv", "gdn_norm_out", "moe_act")
-KNOWN = SUPPORTED
+from core import compat
+from models import MODEL_REGISTRY, get_model_family
+from models.family import MixerCheckpoints
+
+# what the trainer installs itself on megatron's modules; the rest are the families' mixers'
+MEGATRON_MODULES = ("core_attn", "layernorm", "shared_experts", "moe_act")
+MOE_MODULES = ("moe_act", "shared_experts")
+
+
+def known_modules() -> list[str]:
+    """Every ``train.recompute_modules`` entry some registered family has."""
+    return list(dict.fromkeys(name for f in MODEL_REGISTRY.values() for name in f.recompute_modules))
 
 
 def check_modules(modules: list[str], cp: int = 1) -> str | None:
     """Why this request cannot run (None when it can)."""
-    unknown = sorted(set(modules) - set(KNOWN))
+    known = known_modules()
+    unknown = sorted(set(modules) - set(known))
     if unknown:
-        return f"unknown recompute module(s) {unknown}; choose from {list(KNOWN)}"
-    if cp > 1 and ("gdn_qkv" in modules or "gdn_norm_out" in modules):
-        return "gdn_qkv / gdn_norm_out recompute is not implemented with context parallelism (parallel.cp > 1)"
+        return f"unknown recompute module(s) {unknown}; choose from {known}"
+    no_cp = [name for f in MODEL_REGISTRY.values() for name in f.recompute_modules_no_cp if name in modules]
+    if cp > 1 and no_cp:
+        return f"{' / '.join(no_cp)} recompute is not implemented with context parallelism (parallel.cp > 1)"
     return None
 
 
 def sweep_choices(model_cfg) -> list[list[str]]:
-    """The recompute choices a memory sweep compares: none, each module this model has alone,
-    then all of them together."""
-    from models import get_model_family
-
+    """The recompute choices a memory sweep compares: none, each module this model has alone (the
+    MoE ones only with experts), then all of them together."""
     has = get_model_family(model_cfg.name).recompute_modules
-    choices = [[], *([name] for name in ("layernorm", "gdn_qkv", "gdn_norm_out", "core_attn") if name in has)]
-    if model_cfg.num_experts and "moe_act" in has:
-        choices.append(["moe_act"])
-    if model_cfg.num_experts and getattr(model_cfg, "moe_shared_expert_intermediate_size", 0) and "shared_experts" in has:
-        choices.append(["shared_experts"])
-    choices.append(sorted({m for c in choices for m in c}))
+    shared = getattr(model_cfg, "moe_shared_expert_intermediate_size", 0)
+    usable = [name for name in has if name not in MOE_MODULES
+              or (model_cfg.num_experts and (name != "shared_experts" or shared))]
+    choices = [[], *([name] for name in usable)]
+    choices.append(sorted(usable))
     return choices
 
 
 def apply_recompute(model: torch.nn.Module, modules: list[str], model_name: str | None = None) -> int:
     """Turn on recompute for ``modules`` in every decoder layer of ``model``; returns the number
-    of blocks changed. ``gdn_qkv`` / ``gdn_norm_out`` apply to the mixers the model family names
-    (``ModelFamily.recompute_mixers``): those of ``model_name``'s family, else of every registered one."""
+    of blocks changed. The mixers' own blocks are installed by their family
+    (``ModelFamily.mixer_checkpoints``): ``model_name``'s, else every registered family, each of
+    which recognises its own mixers."""
     reason = check_modules(list(modules))
     if reason:
         raise ValueError(reason)
@@ -70,11 +80,8 @@ def apply_recompute(model: torch.nn.Module, modules: list[str], model_name: str 
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from models import MODEL_REGISTRY, get_model_family
-
     families = [get_model_family(model_name)] if model_name else list(MODEL_REGISTRY.values())
-    split_mixers = tuple(cls for family in families for cls in family.recompute_mixers())
-
+    mixer_modules = [name for name in modules if name not in MEGATRON_MODULES]
     changed = 0
     for layer in model.modules():
         if not isinstance(layer, TransformerLayer):
@@ -89,12 +96,11 @@ def apply_recompute(model: torch.nn.Module, modules: list[str], model_name: str 
         if "moe_act" in modules and isinstance(layer.mlp, MoELayer) and hasattr(layer.mlp.experts, "recompute_act"):
             layer.mlp.experts.recompute_act = True
             changed += 1
-        norm = "layernorm" in modules
-        is_gdn = isinstance(mixer, split_mixers)
-        qkv, norm_out = is_gdn and "gdn_qkv" in modules, is_gdn and "gdn_norm_out" in modules
-        if norm or qkv or norm_out:
-            _LayerRecompute(layer, norm, qkv, norm_out)
-            changed += 2 * norm + qkv + norm_out
+        if "layernorm" in modules or mixer_modules:
+            manager = _LayerRecompute(layer, "layernorm" in modules)
+            changed += 2 * ("layernorm" in modules)
+            if mixer_modules:
+                changed += sum(f.mixer_checkpoints(mixer, mixer_modules, manager) for f in families)
     return changed
 
 
@@ -104,10 +110,8 @@ def _cpu_rng_shim() -> None:
     the (CPU) RNG tracker are still saved and restored by megatron as usual."""
     if torch.cuda.is_available():
         return
-    from megatron.core.tensor_parallel import random as mcore_random
-
-    mcore_random._get_cuda_rng_state = lambda *a, **k: None
-    mcore_random._set_cuda_rng_state = lambda *a, **k: None
+    compat.replace(compat.GET_CUDA_RNG_STATE, lambda *a, **k: None)
+    compat.replace(compat.SET_CUDA_RNG_STATE, lambda *a, **k: None)
 
 
 class _Replay(torch.autograd.Function):
@@ -170,60 +174,33 @@ def _wrap_forward(module, wrapper) -> None:
     module.forward = lambda *a, **k: wrapper(original, *a, **k)
 
 
-class _LayerRecompute:
-    """The discard-output blocks of one TransformerLayer and the hooks that replay them."""
+class _LayerRecompute(MixerCheckpoints):
+    """The discard-output blocks of one TransformerLayer and the hooks that replay them; the
+    ``MixerCheckpoints`` its family's mixer blocks are installed through."""
 
-    def __init__(self, layer, norm: bool, qkv: bool, norm_out: bool):
+    def __init__(self, layer, norm: bool):
         self.layer = layer
-        self.attn_half: list[_DiscardCheckpoint] = []  # input norm, gdn_qkv, gdn_norm_out (forward order)
+        self.attn_half: list[_DiscardCheckpoint] = []  # input norm, then the mixer's blocks (forward order)
         self.mlp_half: list[_DiscardCheckpoint] = []  # pre-MLP norm
-        self.deferring = False
         layer._recompute = self
         if norm:
             _wrap_forward(layer.input_layernorm, lambda f, x: self._checkpoint(self.attn_half, f, x))
             _wrap_forward(layer.pre_mlp_layernorm, lambda f, x: self._checkpoint(self.mlp_half, f, x))
             layer.mlp.register_forward_hook(self._after(self.mlp_half))
-        gdn = layer.self_attention
-        if qkv:
-            self.in_proj = gdn.in_proj.forward
-            self.prepare = gdn.prepare
-            _wrap_forward(gdn, self._gdn_forward)
-            _wrap_forward(gdn.in_proj, self._in_proj)
-            gdn.prepare = self._prepare
-        if norm_out:
-            norm_out_fn = gdn.norm_out
-            gdn.norm_out = lambda core, z: self._checkpoint(self.attn_half, norm_out_fn, core, z)
-        gdn.register_forward_hook(self._after(self.attn_half))
+        layer.self_attention.register_forward_hook(self._after(self.attn_half))
 
-    def _active(self) -> bool:
+    def active(self) -> bool:
         return self.layer.training and torch.is_grad_enabled()
 
+    def checkpoint(self, fn, *args):
+        return self._checkpoint(self.attn_half, fn, *args)
+
     def _checkpoint(self, blocks, fn, *args):
-        if not self._active():
+        if not self.active():
             return fn(*args)
         ckpt = _DiscardCheckpoint(fn, *args)
         blocks.append(ckpt)
         return ckpt.result
-
-    def _gdn_forward(self, forward, hidden_states, *args, packed_seq_params=None, **kwargs):
-        from models.common.packed_seq import cp_info
-
-        # in_proj joins prepare's checkpoint, on the path that calls prepare (not under CP)
-        self.deferring = self._active() and cp_info(packed_seq_params) is None
-        try:
-            return forward(hidden_states, *args, packed_seq_params=packed_seq_params, **kwargs)
-        finally:
-            self.deferring = False
-
-    def _in_proj(self, forward, x, *args, **kwargs):
-        if self.deferring:
-            return x, None  # prepare receives the norm output and projects inside its checkpoint
-        return forward(x, *args, **kwargs)
-
-    def _prepare(self, hidden, cu_seqlens, varlen=None):
-        if not self.deferring:
-            return self.prepare(hidden, cu_seqlens, varlen)
-        return self._checkpoint(self.attn_half, lambda h: self.prepare(self.in_proj(h)[0], cu_seqlens, varlen), hidden)
 
     def _after(self, blocks: list):
         def hook(module, inputs, output):

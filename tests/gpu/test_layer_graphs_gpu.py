@@ -32,6 +32,7 @@ def check_padded_gdn() -> dict:
     from fused_kernels.gated_delta_rule import FLA_CHUNK_SIZE, GDNVarlen, chunk_gated_delta_rule
     from models.performance.layer_graphs import StaticBatch
     from models.common.packed_seq import PackedRowParams
+    from models.qwen35_vl.layer_hooks import GDNGraphRows
 
     lens = [1000, 37, 3000, 2100, 2055]  # 8192 tokens, chunks that end mid-chunk
     T, H, D = sum(lens), 16, 128
@@ -47,15 +48,17 @@ def check_padded_gdn() -> dict:
     cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32)
     real = GDNVarlen.from_host(cu, "cuda")
     static = StaticBatch(T, 16, torch.zeros(3, 1, T, dtype=torch.long, device="cuda"), "cuda")
-    static.load(PackedRowParams(qkv_format="thd", cu_seqlens_q=cu.cuda(), cu_seqlens_q_padded=cu.cuda(),
-                                gdn_varlen=real), static.rope)
+    rows = GDNGraphRows(static.cu64, T, 16, one_segment=False)  # what Qwen3.5's graph_row_buffers makes
+    params = PackedRowParams(qkv_format="thd", cu_seqlens_q=cu.cuda(), cu_seqlens_q_padded=cu.cuda(), gdn_varlen=real)
+    static.load(params, static.rope)
+    rows.load(params)
     results = []
-    for varlen, cu_dev in ((real, cu.cuda()), (static.params.gdn_varlen, static.cu32)):
+    for varlen, cu_dev in ((real, cu.cuda()), (rows.fields["gdn_varlen"], static.cu32)):
         out = chunk_gated_delta_rule(*tensors, cu_dev, "fla", varlen)
         results.append((out, *torch.autograd.grad(out, tensors, cot)))
     same = all(torch.equal(a, b) for a, b in zip(*results))
     return {"padded_gdn_bit_identical": same, "chunk_rows_real": int(real.chunk_indices.shape[0]),
-            "chunk_rows_static": int(static.chunks.shape[0]), "chunk_size": FLA_CHUNK_SIZE}
+            "chunk_rows_static": int(rows.chunks.shape[0]), "chunk_size": FLA_CHUNK_SIZE}
 
 
 def trainer_model_and_batches(config: str, overrides: list[str], micro_batches: int):
