@@ -58,22 +58,22 @@ def test_a_misordered_list_is_refused_in_one_line_naming_both(name, before, need
     assert needle in message and "\n" not in message, message
 
 
-class _Fp8Like(ModelTransform):
+class _WeightConversion(ModelTransform):
     """What a later transform declares: after the adapters exist, before DDP allocates buffers."""
-    name = "fp8_like"
+    name = "weight_conversion"
     after = {"lora": "adapters convert too"}
     before = {"ddp": "DDP's buffers take the converted weights"}
 
 
 def test_a_new_transform_is_one_class_and_one_list_entry():
     names = _names(TRANSFORMS)
-    good = [*TRANSFORMS[:names.index("ddp")], _Fp8Like(), *TRANSFORMS[names.index("ddp"):]]
+    good = [*TRANSFORMS[:names.index("ddp")], _WeightConversion(), *TRANSFORMS[names.index("ddp"):]]
     check_order(good)
-    late = [*TRANSFORMS, _Fp8Like()]  # its `before` names a transform already passed
-    with pytest.raises(RuntimeError, match=r"'fp8_like' must come before 'ddp' \(DDP's buffers"):
+    late = [*TRANSFORMS, _WeightConversion()]  # its `before` names a transform already passed
+    with pytest.raises(RuntimeError, match=r"'weight_conversion' must come before 'ddp' \(DDP's buffers"):
         check_order(late)
-    no_ddp = [t for t in good if t.name not in ("ddp", "wgrad_fusion", "decoder_graphs", "vision_graphs")]
-    with pytest.raises(RuntimeError, match="'fp8_like' must come before 'ddp', which is not in the list"):
+    no_ddp = [t for t in good if t.name not in ("fp8", "ddp", "wgrad_fusion", "decoder_graphs", "vision_graphs")]
+    with pytest.raises(RuntimeError, match="'weight_conversion' must come before 'ddp', which is not in the list"):
         check_order(no_ddp)
     with pytest.raises(RuntimeError, match="appears twice"):
         check_order([*TRANSFORMS, TRANSFORMS[0]])
@@ -103,8 +103,9 @@ def test_a_build_applies_the_plan_in_order_one_line_each(mcore, caplog):
     with caplog.at_level(logging.INFO, logger="multimodal.transforms"):
         built, optimizer, _ = build_model(cfg, mcore, torch.float32)
     lines = [r.getMessage() for r in caplog.records if r.name == "multimodal.transforms"]
-    assert lines[0] == ("model transforms, in order: layout_init, freeze, lora, recompute, ddp (not wanted by this "
-                        "config: wgrad_fusion, decoder_graphs, vision_graphs)")
+    wanted = ["layout_init", "freeze", "lora", "recompute", "ddp"]
+    skipped = [t.name for t in TRANSFORMS if t.name not in wanted]
+    assert lines[0] == f"model transforms, in order: {', '.join(wanted)} (not wanted by this config: {', '.join(skipped)})"
     assert [re.match(r"model transform (\w+): ", x).group(1) for x in lines[1:]] == \
         ["layout_init", "freeze", "lora", "recompute", "ddp"]
     assert all("\n" not in x for x in lines)
