@@ -57,11 +57,23 @@ def test_bad_eval_settings_give_one_line_naming_the_field(tmp_path, overrides, n
 
 
 def test_eval_settings_that_are_fine(tmp_path):
-    validate(load_config(PROXY, ["train.eval_interval=0", "train.eval_iters=1"]))
-    validate(load_config(PROXY, ["train.eval_interval=10"]))  # mock: held-out samples by seed
+    """Accepted, and what the evaluator then reads: mock validation draws other samples than
+    training (another seed), a conversations run reads data.valid_path."""
+    import torch
+
+    from data.mock import MockDataset
+    from multimodal.evaluation import valid_data_config
+
+    validate(load_config(PROXY, ["train.eval_interval=0", "train.eval_iters=1"]))  # no validation at all
+    mock = load_config(PROXY, ["train.eval_interval=10"])
+    validate(mock)
+    held_out, seen = (MockDataset(mock.model, d, 256) for d in (valid_data_config(mock.data), mock.data))
+    assert not any(torch.equal(held_out[i]["input_ids"], seen[i]["input_ids"]) for i in range(4))
     valid = _conversations_file(tmp_path)
-    validate(load_config(PROXY, ["data.name=conversations", f"data.path={valid}", "data.tokenizer=tok",
-                                 "train.eval_interval=10", f"data.valid_path={valid}"]))
+    conv = load_config(PROXY, ["data.name=conversations", f"data.path={valid}", "data.tokenizer=tok",
+                               "train.eval_interval=10", f"data.valid_path={valid}"])
+    validate(conv)
+    assert valid_data_config(conv.data).path == str(valid) and conv.train.eval_interval == 10
 
 
 def test_cli_refuses_a_bad_eval_interval_with_exit_2():

@@ -45,7 +45,9 @@ def test_forward_step_hands_every_gdn_layer_one_precomputed_table():
     varlen = params.gdn_varlen
     assert varlen.cu_seqlens.dtype == torch.long
     assert torch.equal(varlen.cu_seqlens, batch["cu_seqlens_padded"].long())
-    assert torch.equal(varlen.chunk_indices, chunk_indices_host(batch["cu_seqlens_padded"]))
-    # the segments (three samples and the tail padding) are covered chunk by chunk
+    # the segments (three samples and the tail padding), chunk by chunk, counted here from their
+    # lengths: (segment, chunk within it) for each FLA_CHUNK_SIZE tokens, a partial chunk included
     lens = (batch["cu_seqlens_padded"][1:] - batch["cu_seqlens_padded"][:-1]).tolist()
-    assert len(varlen.chunk_indices) == sum(-(-n // FLA_CHUNK_SIZE) for n in lens)
+    assert len(lens) == 4
+    want = [[s, j] for s, n in enumerate(lens) for j in range(-(-n // FLA_CHUNK_SIZE))]
+    assert varlen.chunk_indices.tolist() == want
