@@ -176,9 +176,3 @@ class DataConfig:
             _require(Path(self.path).exists(), f"data.path={self.path!r} does not exist (data.name=cord_v2 reads a "
                      "folder of parquet files, e.g. scripts/make_synthetic_cord.py's output); point data.path at it")
             _require(bool(self.tokenizer), "data.name=cord_v2 needs data.tokenizer (a tokenizer directory)")
-
-    # TEMPORARY: the old attribute names multimodal/training.py still reads (and num_workers sets);
-    # removed once it reads data.loader.<field>
-    num_workers = property(lambda self: self.loader.num_workers,
-                           lambda self, value: setattr(self.loader, "num_workers", value))
-    prefetch = property(lambda self: self.loader.prefetch)

@@ -57,11 +57,6 @@ class CudaGraphsConfig:
     # copies and DDP's hook then adds in one launch per parameter. false: the latter.
     grads_to_main_grad: bool = True
 
-    def __bool__(self) -> bool:
-        # TEMPORARY: multimodal/training.py still tests `train.cuda_graphs` as a bool; removed
-        # once it reads train.cuda_graphs.enabled
-        return self.enabled
-
     def validate(self, spatial_merge_size: int) -> None:
         """Its own fields, when graphs are on."""
         if not self.enabled:
@@ -129,13 +124,6 @@ class TrainConfig:
                  f"train.eval_iters must be >= 1 (global batches per evaluation), got {self.eval_iters}")
         _require(self.fp8 is None or self.fp8 in FP8_RECIPES,
                  f"train.fp8 must be null (bf16), tensorwise or rowwise, got {self.fp8!r}")
-
-    # TEMPORARY: the old attribute names multimodal/training.py still reads; removed once it reads
-    # train.cuda_graphs.<field>
-    cuda_graph_max_samples = property(lambda self: self.cuda_graphs.max_samples)
-    cuda_graph_vision_bucket = property(lambda self: self.cuda_graphs.vision_bucket)
-    cuda_graph_vision_max_buckets = property(lambda self: self.cuda_graphs.vision_max_buckets)
-    cuda_graph_grads_to_main_grad = property(lambda self: self.cuda_graphs.grads_to_main_grad)
 
 
 @dataclass

@@ -32,7 +32,7 @@ def advice(cfg, step: int, data_parallel: int = 1) -> str:
     missing = [name for name in every if name not in t.recompute_modules]
     if missing:
         wanted = "[" + ",".join(sorted(set(t.recompute_modules) | set(missing))) + "]"
-        graphs = " train.cuda_graphs=false (the graphs cannot replay recomputed blocks)" if t.cuda_graphs else ""
+        graphs = " train.cuda_graphs=false (the graphs cannot replay recomputed blocks)" if t.cuda_graphs.enabled else ""
         lines.append(f"  - selective recompute: train.recompute_modules={wanted}{graphs}; it trades step time for "
                      "memory (what it saves and costs on the 2B recipe: docs/performance.md, selective recompute)")
     if t.global_batch_size > t.micro_batch_size and t.micro_batch_size > 1:
