@@ -6,6 +6,8 @@ the gpu-marked test at the end."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -198,9 +200,9 @@ def test_exclusion_patterns_are_respected(mcore):
 
 def test_lora_base_in_fp8_adapters_train(mcore):
     lora = ["model.lora.rank=4", "model.lora.alpha=8"]
-    cfg, model, ddp, optimizer, scheduler = _build(mcore, PROXY, lora)
-    report = fp8.convert(model, "tensorwise", cfg.train.fp8_exclude)
-    assert any(n.endswith("linear_qkv") for n in report.fp8)
+    cfg, model, ddp, optimizer, scheduler = _build(mcore, PROXY, [*lora, "train.fp8=tensorwise"])
+    converted = [n for n, m in model.named_modules() if getattr(m, "fp8_recipe", None) == "tensorwise"]
+    assert any(n.endswith("linear_qkv") for n in converted) and any(n.endswith("in_proj") for n in converted)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     losses = optimizer_steps(cfg, model, ddp, optimizer, scheduler, 2)
     assert all(torch.isfinite(x) for x in losses)
@@ -214,9 +216,9 @@ def test_fp8_run_resumes_bit_exact(mcore, tmp_path):
     checkpoint (built from another seed) repeats the uninterrupted run's losses bit for bit."""
     from multimodal import checkpointing
 
-    def run(seed):
+    def run(seed):  # the trainer's model transforms convert it (multimodal/transforms.py Fp8)
         cfg, *rest = _build(mcore, PROXY, ["train.fp8=rowwise"], seed=seed)
-        fp8.convert(rest[0], cfg.train.fp8, cfg.train.fp8_exclude)
+        assert any(getattr(m, "fp8_recipe", None) == "rowwise" for m in rest[0].modules())
         return cfg, rest
 
     cfg, rest = run(0)
@@ -229,6 +231,17 @@ def test_fp8_run_resumes_bit_exact(mcore, tmp_path):
     assert checkpointing.load(checkpointing.resolve("latest", str(tmp_path)), model, optimizer, scheduler)[0] == 1
     resumed = optimizer_steps(cfg, *rest, steps=1)
     assert torch.equal(resumed[0], uninterrupted[0])
+
+
+def test_the_trainer_plans_fp8_before_the_graphs():
+    from multimodal.transforms import TRANSFORMS, Fp8, check_order, plan
+
+    rt = types.SimpleNamespace(is_cuda=False, device=torch.device("cpu"))
+    names = [t.name for t in plan(load_config(PROXY, ["train.fp8=tensorwise"]), rt)]
+    assert "fp8" in names and "fp8" not in [t.name for t in plan(load_config(PROXY, []), rt)]
+    moved = [t for t in TRANSFORMS if not isinstance(t, Fp8)] + [Fp8()]
+    with pytest.raises(RuntimeError, match="'fp8' must come before 'decoder_graphs'"):
+        check_order(moved)
 
 
 def test_config_refuses_an_unknown_recipe():
