@@ -24,9 +24,12 @@ is designed for), else the smallest world the layout fits (tp*pp*lcm(cp, ep), da
 or the EP span).
 
 Layout conventions (those of megatron-core as this trainer sets it up):
-- Decoder layers are split evenly over PP stages (``num_layers / pp`` each, megatron's default);
-  the embedding and the vision encoder live on the first stage, the final norm and the output
-  layer on the last. With tied embeddings and pp > 1 the last stage holds its own copy of the
+- Decoder layers are split evenly over PP stages (``num_layers / pp`` each, megatron's default),
+  or as ``parallel.first_stage_layers`` / ``last_stage_layers`` say; under ``parallel.vpp`` each
+  rank's layers are split over its virtual stages (``ParallelConfig.chunk_layers``, megatron's
+  split) and its activations are those the interleaved schedule keeps per chunk. The embedding and
+  the vision encoder live on the first stage (its first chunk), the final norm and the output
+  layer on the last (its last chunk). With tied embeddings and pp > 1 the last stage holds its own copy of the
   embedding matrix as the output weight (megatron keeps the two in sync).
 - Tensor parallel shards the vocabulary and the decoder's projections; what each layer kind
   shards or replicates is the family's count (models/qwen35_vl/param_counts.py says it for Qwen3.5).
@@ -77,12 +80,28 @@ class Layout:
     distributed_optimizer: bool
     num_microbatches: int
     moe_a2a_overlap: bool = False
+    vpp: int = 1
+    # global decoder-layer indices of every model chunk, [pp rank][virtual stage]
+    chunks: tuple = ()
+    uneven: bool = False  # parallel.first_stage_layers / last_stage_layers set
 
     def in_flight(self, stage: int) -> int:
         """Micro-batches whose activations a 1F1B stage holds at its peak (pp - stage, capped). The
         MoE all-to-all overlap runs micro-batch i+1's forward beside i's backward: one more."""
         extra = 1 if self.moe_a2a_overlap else 0
         return min(self.pp - stage + extra, self.num_microbatches)
+
+    def chunk_in_flight(self, stage: int) -> list[int]:
+        """Under vpp: per model chunk of pipeline rank ``stage``, the micro-batches whose activations
+        it holds when the interleaved schedule's warm-up ends (its peak): megatron runs
+        2 (pp - 1 - stage) + (vpp - 1) pp + 1 forwards first, chunk by chunk in groups of pp
+        micro-batches (get_pp_rank_microbatches, get_schedule_table)."""
+        total = self.num_microbatches * self.vpp
+        forwards = min(2 * (self.pp - 1 - stage) + (self.vpp - 1) * self.pp + 1, total)
+        held = [0] * self.vpp
+        for k in range(forwards):
+            held[(k // self.pp) % self.vpp] += 1
+        return held
 
 
 def default_world_size(cfg: Config) -> int:
@@ -117,7 +136,8 @@ def check_layout(cfg: Config, world_size: int) -> tuple[Layout, list[str]]:
         notes.append(f"the trainer refuses this layout today ({e}); the dry run checks its arithmetic only")
         if world_size % (p.tp * p.pp * p.cp) == 0:  # else the check below names the fix
             flat = copy.deepcopy(cfg)
-            flat.parallel.cp = flat.parallel.pp = 1
+            flat.parallel.cp = flat.parallel.pp = flat.parallel.vpp = 1
+            flat.parallel.first_stage_layers = flat.parallel.last_stage_layers = None
             validate(flat, world_size // (p.pp * p.cp))
     validate_layout(m, p)
 
@@ -126,10 +146,6 @@ def check_layout(cfg: Config, world_size: int) -> tuple[Layout, list[str]]:
              f"world size {world_size} is not divisible by parallel.tp*pp*cp = {model_parallel}; "
              "change parallel.world_size / --world-size or the parallel layout")
     dp = world_size // model_parallel
-    _require(m.num_layers % p.pp == 0,
-             f"model.num_layers ({m.num_layers}) must be divisible by parallel.pp ({p.pp}): "
-             "megatron splits the decoder layers evenly over pipeline stages; choose pp among "
-             f"{_divisors(m.num_layers)}")
     _require(m.vocab_size % p.tp == 0,
              f"model.vocab_size ({m.vocab_size}) must be divisible by parallel.tp ({p.tp}) "
              "(vocab-parallel embedding and output layer)")
@@ -167,18 +183,17 @@ def check_layout(cfg: Config, world_size: int) -> tuple[Layout, list[str]]:
     _require(t.global_batch_size % (t.micro_batch_size * dp) == 0,
              f"train.global_batch_size ({t.global_batch_size}) must be a multiple of "
              f"train.micro_batch_size ({t.micro_batch_size}) x data-parallel size ({dp})")
+    p.check_pipeline(m.num_layers, mb)  # layers per rank and virtual stage; micro-batches under vpp
     if p.pp > 1 and mb < p.pp:
         notes.append(f"{mb} micro-batches per step < parallel.pp ({p.pp}): the pipeline never fills; "
                      f"raise train.global_batch_size to >= {p.pp * t.micro_batch_size * dp}")
     if p.use_distributed_optimizer and dp * p.cp == 1 and edp <= 1:
         notes.append("parallel.use_distributed_optimizer with one data-parallel rank shards nothing")
     layout = Layout(world_size, p.tp, p.pp, p.cp, p.ep, dp, etp, edp, bool(p.sequence_parallel and p.tp > 1),
-                    p.use_distributed_optimizer, mb, bool(p.moe_a2a_overlap))
+                    p.use_distributed_optimizer, mb, bool(p.moe_a2a_overlap), p.vpp,
+                    tuple(tuple(rank) for rank in p.chunk_layers(m.num_layers)),
+                    p.first_stage_layers is not None or p.last_stage_layers is not None)
     return layout, notes
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 # ---------------------------------------------------------------- parameters
@@ -188,6 +203,38 @@ def stage_params(m, tp: int = 1, pp: int = 1, ep: int = 1, stage: int = 0) -> St
     """Parameters one rank of pipeline stage ``stage`` holds (every TP/CP/EP/DP rank of a stage
     holds as many): the model family's count."""
     return get_model_family(m.name).stage_params(m, tp, pp, ep, stage)
+
+
+def _summed(stage: int, parts: list[StageParams]) -> StageParams:
+    def add(dicts):
+        out: dict = {}
+        for d in dicts:
+            for k, v in d.items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    return StageParams(stage, add(x.layers for x in parts), add(x.parts for x in parts),
+                       sum(x.expert for x in parts), sum(x.frozen for x in parts), sum(x.frozen_expert for x in parts))
+
+
+def chunk_params(m, lay: Layout, stage: int) -> list[StageParams]:
+    """Parameters of each model chunk (virtual stage) of pipeline rank ``stage`` on one GPU.
+
+    The family counts an even split (``stage_params(m, tp, pp, ep, stage)``); a chunk of any layer
+    range is the sum of its layers counted as one-layer stages (pp = num_layers): layer 0's count
+    carries the vision encoder and the embedding, the last layer's the final norm, the output layer
+    and MTP, which is where megatron puts them (the first chunk of the first rank holds layer 0, the
+    last chunk of the last rank the last layer)."""
+    n = m.num_layers
+    return [_summed(stage, [stage_params(m, lay.tp, n, lay.ep, i) for i in layers]) for layers in lay.chunks[stage]]
+
+
+def rank_params(m, lay: Layout, stage: int) -> StageParams:
+    """Parameters one GPU of pipeline rank ``stage`` holds: the family's count of an even split, or
+    the sum of the rank's chunks under vpp or uneven first/last stages."""
+    if lay.vpp == 1 and not lay.uneven:
+        return stage_params(m, lay.tp, lay.pp, lay.ep, stage)
+    return _summed(stage, chunk_params(m, lay, stage))
 
 
 def model_params(m) -> tuple[int, int]:
@@ -248,17 +295,27 @@ def stage_memory(cfg: Config, lay: Layout, sp_: StageParams, overhead_gib: float
     family = get_model_family(m.name)
     tokens = t.micro_batch_size * t.seq_length / lay.cp  # tokens of one micro-batch on this rank
     per_tok = family.activation_bytes_per_token(m, lay)
-    act = tokens * sum(n * per_tok[kind] for kind, n in sp_.layers.items())
-    if sp_.stage == 0:
-        frac = image_fraction(cfg) if img_fraction is None else img_fraction
-        # every TP and CP rank of the first stage encodes all images of the micro-batch
-        patches = frac * t.micro_batch_size * t.seq_length * m.vision.spatial_merge_size**2
-        lora_on = getattr(getattr(m, "lora", None), "rank", 0)
-        if "vision" not in getattr(m, "freeze", ()) and not lora_on:  # a frozen ViT keeps nothing for backward
-            act += patches * family.vision_bytes_per_patch(m)
-        act += tokens * 2 * m.hidden_size  # embeddings
-    in_flight = lay.in_flight(sp_.stage)
-    act *= in_flight
+
+    def per_microbatch(layers: dict, embeds: bool) -> float:
+        act = tokens * sum(n * per_tok[kind] for kind, n in layers.items())
+        if embeds:
+            frac = image_fraction(cfg) if img_fraction is None else img_fraction
+            # every TP and CP rank of the first stage encodes all images of the micro-batch
+            patches = frac * t.micro_batch_size * t.seq_length * m.vision.spatial_merge_size**2
+            lora_on = getattr(getattr(m, "lora", None), "rank", 0)
+            if "vision" not in getattr(m, "freeze", ()) and not lora_on:  # a frozen ViT keeps nothing for backward
+                act += patches * family.vision_bytes_per_patch(m)
+            act += tokens * 2 * m.hidden_size  # embeddings
+        return act
+
+    if lay.vpp > 1:  # each chunk holds its own micro-batches in flight (vision + embedding on chunk 0 of stage 0)
+        held = lay.chunk_in_flight(sp_.stage)
+        chunks = chunk_params(m, lay, sp_.stage)
+        act = sum(per_microbatch(c.layers, sp_.stage == 0 and v == 0) * n for v, (c, n) in enumerate(zip(chunks, held)))
+        in_flight = sum(held)
+    else:
+        in_flight = lay.in_flight(sp_.stage)
+        act = per_microbatch(sp_.layers, sp_.stage == 0) * in_flight
     if getattr(t, "fp8", None):  # the per-GEMM fp8 casts of train.fp8, one GEMM at a time
         act += fp8_transient_bytes(m, tokens, lay.tp)
     if sp_.stage == lay.pp - 1:
@@ -276,12 +333,35 @@ def stage_memory(cfg: Config, lay: Layout, sp_: StageParams, overhead_gib: float
 # ---------------------------------------------------------------- pipeline
 
 
-def bubble_fraction(pp: int, microbatches: int) -> float:
-    """Idle share of a non-interleaved 1F1B step with equal stage times: a step takes m + pp - 1
-    micro-batch slots per stage, of which pp - 1 are the pipeline filling and draining."""
+def stage_gemm_flops(cfg: Config, lay: Layout, sp_: StageParams, img_fraction: float | None = None) -> float:
+    """Forward matrix-multiply FLOPs of one micro-batch on one GPU of a stage, 2 x (parameters a
+    token passes through) x tokens: its decoder layers on its share of the row (routed experts at
+    top-k of them, dispatched evenly over the EP ranks), the LM head on the last stage, and on the
+    first the vision encoder on every patch of the micro-batch (each TP and CP rank encodes them
+    all). The embedding is a lookup. Attention's score FLOPs are left out: attention layers are
+    spread over the stages like the others. The step runs at the pace of the stage with the most."""
+    m, t = cfg.model, cfg.train
+    tokens = t.micro_batch_size * t.seq_length / lay.cp
+    parts = dict(sp_.parts)
+    parts.pop("embedding", None)
+    vision = parts.pop("vision", 0)
+    experts = parts.pop("experts", 0)
+    routed = experts * m.moe_router_topk * lay.ep / m.num_experts if m.num_experts else 0
+    flops = 2 * (sum(parts.values()) + routed) * tokens
+    if vision:
+        frac = image_fraction(cfg) if img_fraction is None else img_fraction
+        flops += 2 * vision * frac * t.micro_batch_size * t.seq_length * m.vision.spatial_merge_size**2
+    return flops
+
+
+def bubble_fraction(pp: int, microbatches: int, vpp: int = 1) -> float:
+    """Idle share of a 1F1B step with equal stage times. Non-interleaved: a step takes m + pp - 1
+    micro-batch slots per stage, of which pp - 1 are the pipeline filling and draining. Interleaved
+    (vpp chunks per rank, each 1/vpp of a slot): the fill and drain shrink to (pp - 1) / vpp slots,
+    so the share is (pp - 1) / (vpp m + pp - 1) (Narayanan et al. 2021, section 2.2.2)."""
     if pp <= 1 or microbatches < 1:
         return 0.0
-    return (pp - 1) / (microbatches + pp - 1)
+    return (pp - 1) / (vpp * microbatches + pp - 1)
 
 
 def above_mean(values: list[float], limit: float = IMBALANCE) -> list[tuple[int, float]]:
@@ -290,18 +370,28 @@ def above_mean(values: list[float], limit: float = IMBALANCE) -> list[tuple[int,
     return [(i, v / mean - 1) for i, v in enumerate(values) if mean > 0 and v > (1 + limit) * mean]
 
 
-def pipeline_report(lay: Layout, stages: list[StageParams], mems: list[StageMemory]) -> list[str]:
+def pipeline_report(lay: Layout, stages: list[StageParams], mems: list[StageMemory],
+                    flops: list[float] | None = None) -> list[str]:
     """The pipeline lines of the dry run (the table above them has each stage's parameters and
     activations): the bubble, and a warning for every stage more than IMBALANCE above the mean of
-    the stages in parameters or in memory."""
+    the stages in parameters, in memory or in matmul FLOPs per micro-batch (``flops``)."""
     if lay.pp == 1:
         return ["pipeline: pp=1, no bubble"]
-    lines = [f"pipeline: 1F1B over {lay.pp} stages, {lay.num_microbatches} micro-batches per step per DP rank: "
-             f"bubble (pp-1)/(m+pp-1) = {bubble_fraction(lay.pp, lay.num_microbatches):.1%} of the step"]
+    if lay.vpp > 1:
+        lines = [f"pipeline: interleaved 1F1B over {lay.pp} stages x {lay.vpp} virtual stages, {lay.num_microbatches} "
+                 f"micro-batches per step per DP rank: bubble (pp-1)/(vpp*m+pp-1) = "
+                 f"{bubble_fraction(lay.pp, lay.num_microbatches, lay.vpp):.1%} of the step "
+                 f"(non-interleaved: {bubble_fraction(lay.pp, lay.num_microbatches):.1%})"]
+    else:
+        lines = [f"pipeline: 1F1B over {lay.pp} stages, {lay.num_microbatches} micro-batches per step per DP rank: "
+                 f"bubble (pp-1)/(m+pp-1) = {bubble_fraction(lay.pp, lay.num_microbatches):.1%} of the step"]
     checks = (("holds", "parameters", [st.total for st in stages], _fmt_params,
                "the busiest stage sets the step time"),
               ("needs", "of memory", [mem.total for mem in mems], lambda v: f"{v:.1f} GiB",
                "the fullest GPU sets the memory the layout needs"))
+    if flops is not None:
+        checks += (("computes", "matmul FLOPs per micro-batch", flops, lambda v: f"{v / 1e12:.1f}T",
+                    "the busiest stage sets the step time"),)
     for verb, what, values, fmt, why in checks:
         mean = sum(values) / len(values)
         for stage, excess in above_mean(values):
@@ -327,13 +417,17 @@ def dry_run(cfg: Config, world_size: int | None = None, gpu_mem_gib: float = 80.
     m = cfg.model
     total, active = model_params(m)
     vis = stage_params(m).parts.get("vision", 0)
-    stages = [stage_params(m, lay.tp, lay.pp, lay.ep, s) for s in range(lay.pp)]
+    stages = [rank_params(m, lay, s) for s in range(lay.pp)]
     mems = [stage_memory(cfg, lay, s, overhead_gib, img_fraction) for s in stages]
 
     out(f"dry run {config_path}: {m.name}, world size {world}")
     out(f"  layout: tp={lay.tp} pp={lay.pp} cp={lay.cp} dp={lay.dp} | experts: ep={lay.ep} etp={lay.etp} "
         f"edp={lay.edp} | sequence_parallel={lay.sequence_parallel} "
         f"distributed_optimizer={lay.distributed_optimizer}")
+    if lay.vpp > 1 or lay.uneven:
+        split = " | ".join(f"{r}: " + " ".join(f"{c.start}" if len(c) == 1 else f"{c.start}-{c.stop - 1}" for c in rank)
+                           for r, rank in enumerate(lay.chunks))
+        out(f"  decoder layers per pipeline rank{' (one range per virtual stage)' if lay.vpp > 1 else ''}: {split}")
     if m.freeze:
         out(f"  frozen (model.freeze={list(m.freeze)}): {_fmt_params(sum(s.frozen for s in stages))} parameters "
             f"on the first rank of each stage keep no gradient and no optimizer state")
@@ -348,7 +442,8 @@ def dry_run(cfg: Config, world_size: int | None = None, gpu_mem_gib: float = 80.
         f"{_fmt_params(vis)}){active_s}")
     frac = image_fraction(cfg) if img_fraction is None else img_fraction
     out(f"  memory per GPU in GiB: bf16 weights, fp32 grads, fp32 main params + Adam m/v"
-        f"{' / DP' if lay.distributed_optimizer else ''}, activations x micro-batches in flight (1F1B, "
+        f"{' / DP' if lay.distributed_optimizer else ''}, activations x micro-batches in flight ("
+        f"{'interleaved 1F1B, counted per virtual stage' if lay.vpp > 1 else '1F1B'}, "
         f"no recompute, image tokens {frac:.0%} of a row on average), {overhead_gib:g} GiB overhead")
     if cfg.train.fp8:
         out(f"  train.fp8={cfg.train.fp8}: master weights, gradients and optimizer state unchanged; activations "
@@ -369,7 +464,11 @@ def dry_run(cfg: Config, world_size: int | None = None, gpu_mem_gib: float = 80.
     for sp_ in {stages[0].stage: stages[0], stages[-1].stage: stages[-1]}.values():  # first, last
         parts = ", ".join(f"{k} {_fmt_params(v)}" for k, v in sp_.parts.items() if v)
         out(f"  stage {sp_.stage} per rank: {parts}")
-    for line in pipeline_report(lay, stages, mems):
+    flops = [stage_gemm_flops(cfg, lay, s, img_fraction) for s in stages]
+    if lay.pp > 1:
+        out("  forward matmul TFLOPs per micro-batch per GPU, by stage: "
+            + " ".join(f"{f / 1e12:.1f}" for f in flops))
+    for line in pipeline_report(lay, stages, mems, flops):
         out(f"  {line}")
     for note in notes:
         out(f"  note: {note}")

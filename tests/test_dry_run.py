@@ -182,30 +182,69 @@ def test_moe_overlap_holds_one_more_micro_batch():
 def test_pipeline_bubble_and_unbalanced_stages_are_reported():
     """1F1B's bubble (pp-1)/(m+pp-1), m = micro-batches per step per DP rank, and one warning line
     per stage more than 20% above the mean of the stages, in parameters or in memory."""
-    from multimodal.dry_run import above_mean, bubble_fraction, dry_run
+    from multimodal.dry_run import above_mean, bubble_fraction
 
     assert bubble_fraction(1, 8) == 0 and bubble_fraction(4, 32) == pytest.approx(3 / 35)
     assert [s for s, _ in above_mean([1.0, 1.0, 1.0, 1.3])] == [3]  # 21% above the mean of 1.075
     assert above_mean([1.0, 1.2]) == []  # 9% above the mean of 1.1
 
-    def run(*over):
-        cfg = load_config("configs/qwen35_vl_397b_a17b.yaml", list(over))
-        lines: list[str] = []
-        assert dry_run(cfg, gpu_mem_gib=1000, out=lines.append) == 0  # fitting is not the point here
-        return check_layout(cfg, cfg.parallel.world_size)[0], lines
-
-    lay, lines = run()
+    lay, lines = _run_397b(*EVEN_1F1B)
     m = lay.num_microbatches
     assert lay.pp == 4 and sum(f"bubble (pp-1)/(m+pp-1) = {3 / (m + 3):.1%}" in line for line in lines) == 1
-    # stage 0 holds the vision tower and the embedding and keeps pp micro-batches in flight; the
-    # other stages sit at or below the mean
+    # stage 0 holds the vision tower and the embedding and keeps pp micro-batches in flight, and its
+    # every CP rank encodes all images; the other stages sit at or below the mean
     warnings = [line for line in lines if "warning:" in line]
-    assert len(warnings) == 2 and "stage 0 holds" in warnings[0] and "stage 0 needs" in warnings[1], warnings
-    lay2, lines = run("train.global_batch_size=512")  # twice the micro-batches: a smaller bubble
+    assert [w.split()[1:4] for w in warnings] == [["stage", "0", "holds"], ["stage", "0", "needs"],
+                                                   ["stage", "0", "computes"]], warnings
+    lay2, lines = _run_397b(*EVEN_1F1B, "train.global_batch_size=512")  # twice the micro-batches: a smaller bubble
     assert lay2.num_microbatches == 2 * m
     assert any(f"bubble (pp-1)/(m+pp-1) = {3 / (2 * m + 3):.1%}" in line for line in lines)
-    _, lines = run("parallel.pp=1", "parallel.world_size=128")
+    _, lines = _run_397b(*EVEN_1F1B, "parallel.pp=1", "parallel.world_size=128")
     assert "  pipeline: pp=1, no bubble" in lines and not any("warning:" in line for line in lines)
+
+
+# the 397B recipe without its virtual stages and uneven ends: plain 1F1B, layers split evenly
+EVEN_1F1B = ("parallel.vpp=1", "parallel.first_stage_layers=null", "parallel.last_stage_layers=null")
+
+
+def _run_397b(*over):
+    from multimodal.dry_run import dry_run
+
+    cfg = load_config("configs/qwen35_vl_397b_a17b.yaml", list(over))
+    lines: list[str] = []
+    assert dry_run(cfg, gpu_mem_gib=1000, out=lines.append) == 0  # fitting is not the point here
+    return check_layout(cfg, cfg.parallel.world_size)[0], lines
+
+
+def test_interleaved_pipeline_of_the_397b_recipe_is_balanced():
+    """The recipe's vpp=5 with 5 / 20 / 20 / 15 layers per rank: the interleaved bubble
+    (pp-1)/(vpp m+pp-1), each rank's layers the sum of its chunks' (one range per virtual stage), no
+    stage 20% above the mean in parameters, memory or matmul FLOPs; the same ranks hold more
+    activations in flight than under plain 1F1B (interleaving's cost), and per-rank parameters are
+    the sum of the ranks' chunks whatever the split."""
+    from multimodal.dry_run import bubble_fraction, chunk_params, rank_params, stage_memory
+
+    assert bubble_fraction(4, 32, 5) == pytest.approx(3 / 163)
+    lay, lines = _run_397b()
+    m = lay.num_microbatches
+    assert lay.vpp == 5 and any(f"bubble (pp-1)/(vpp*m+pp-1) = {3 / (5 * m + 3):.1%}" in line for line in lines)
+    assert [sum(len(c) for c in rank) for rank in lay.chunks] == [5, 20, 20, 15]
+    assert not [line for line in lines if "warning:" in line], lines
+    cfg = load_config("configs/qwen35_vl_397b_a17b.yaml")
+    stages = [rank_params(cfg.model, lay, s) for s in range(4)]
+    assert sum(s.total for s in stages) == sum(load_dry_run_stage(cfg, s).total for s in range(4))
+    assert stages[0].parts["vision"] > 0 and stages[0].parts["embedding"] > 0 and stages[3].parts["output"] > 0
+    assert [sum(c.total for c in chunk_params(cfg.model, lay, s)) for s in range(4)] == [s.total for s in stages]
+    # interleaving keeps more micro-batches of a rank's layers in flight: rank 1 under vpp=5 vs vpp=1
+    even, _ = _run_397b("parallel.vpp=1")  # the same uneven ends, plain 1F1B
+    assert stage_memory(cfg, lay, stages[1]).activations > stage_memory(cfg, even, rank_params(cfg.model, even, 1)).activations
+
+
+def load_dry_run_stage(cfg, stage):
+    """The family's own count of an even 4-stage split (what every layer split must add up to)."""
+    from multimodal.dry_run import stage_params
+
+    return stage_params(cfg.model, cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, stage)
 
 
 # ---------------------------------------------------------------- the CLI on the big recipes

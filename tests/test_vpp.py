@@ -119,7 +119,7 @@ def test_pp2_vpp2_checkpoint_resumes_under_pp1(runs):
 
 @pytest.mark.parametrize("num_layers,pp,vpp,first,last", [
     (8, 2, 2, None, None), (8, 4, 2, None, None), (12, 4, 2, 2, 2), (10, 2, 2, 4, None), (6, 3, 1, 1, 1),
-    (14, 3, 2, 2, None),
+    (14, 3, 2, 2, None), (60, 4, 5, 5, 15),
 ])
 def test_chunk_layers_are_megatrons_split(num_layers, pp, vpp, first, last):
     """ParallelConfig.chunk_layers (what the dry run counts) is the split megatron builds and numbers
