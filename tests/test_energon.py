@@ -34,12 +34,18 @@ def _data(name: str, path: Path, tok_dir: Path, **kw) -> DataConfig:
 
 
 def _records(tmp: Path) -> list:
-    """Both record forms, 0-2 images, multi-turn, an embedded image, a system prompt, and three
-    that the conversations reader skips (missing image, undecodable image, no answer)."""
+    """Both record forms, 0-2 images, multi-turn, an embedded image, a system prompt, a video of
+    frames, and three that the conversations reader skips (missing image, undecodable image, no
+    answer)."""
     records = write_synthetic_conversations(tmp, n=8)
     data_url = "data:image/png;base64," + __import__("base64").b64encode(_png(99)).decode()
     (tmp / "images" / "broken.png").write_bytes(b"not an image")
+    frames = [f"images/frame{k}.png" for k in range(4)]
+    for k, rel in enumerate(frames):
+        (tmp / rel).write_bytes(_png(50 + k, 64, 64))
     return records + [
+        {"video": frames, "conversations": [{"from": "human", "value": "<video>\nWhat moves?"},
+                                            {"from": "gpt", "value": "Nothing."}]},
         {"messages": [{"role": "system", "content": "You read receipts."},
                       {"role": "user", "content": [{"type": "image", "image": data_url}, {"type": "text", "text": "Sum?"}]},
                       {"role": "assistant", "content": "12"}]},
@@ -53,7 +59,7 @@ def _records(tmp: Path) -> list:
 
 @pytest.fixture(scope="module")
 def sets(tmp_path_factory, tok_dir, model_cfg, tok):
-    """(conversations dataset, energon dataset) of the same 12 records, in 4 shards."""
+    """(conversations dataset, energon dataset) of the same 13 records, in 5 shards."""
     tmp = tmp_path_factory.mktemp("energon")
     jsonl = _jsonl(tmp / "train.jsonl", _records(tmp))
     folder = write_energon_dataset(jsonl, tmp / "energon", samples_per_shard=3)
@@ -76,10 +82,11 @@ def _assert_same_sample(a: dict | None, b: dict | None) -> None:
 
 def test_samples_equal_the_conversations_path(sets):
     conv, eng = sets
-    assert len(eng) == len(conv) == 12 and len(list(Path(eng.path).glob("*.tar"))) == 4
+    assert len(eng) == len(conv) == 13 and len(list(Path(eng.path).glob("*.tar"))) == 5
     for i in range(len(conv)):
         _assert_same_sample(conv[i], eng[i])
     assert conv[0]["pixel_values"].shape[0] == 0 and conv[2]["image_grid_thw"].shape[0] == 2  # 0 and 2 images
+    assert conv[8]["video_grid_thw"].tolist() == [[2, 4, 4]]  # the 4 frames: one video part, as frame parts
     # the bad records are skipped and counted as the conversations reader counts them
     assert dict(eng.skipped) == dict(conv.skipped) == {"missing_image": 1, "bad_image": 1, "empty_answer": 1}
 
@@ -111,16 +118,14 @@ class _Seen(torch.utils.data.Dataset):
 def test_data_parallel_ranks_read_disjoint_samples_and_equal_rows(sets, model_cfg):
     conv, eng = sets
     ids = (model_cfg.image_token_id, model_cfg.video_token_id)
-    seen = []
     for rank in range(2):
         reading = _Seen(eng)
         it = MicroBatchIterator(reading, SEQ // 2, 0, ids, 2, True, 1, dp_rank=rank, dp_size=2, max_bad_fraction=0.5)
         rows = [next(it) for _ in range(3)]
         ref = MicroBatchIterator(conv, SEQ // 2, 0, ids, 2, True, 1, dp_rank=rank, dp_size=2, max_bad_fraction=0.5)
         _assert_same_rows(rows, [next(ref) for _ in range(3)])
-        assert all(i % 2 == rank for i in reading.read)
-        seen.append({i % len(eng) for i in reading.read})
-    assert not seen[0] & seen[1] and seen[0] | seen[1] == set(range(len(eng)))
+        # disjoint, and together every sample once per pass: rank r reads r, r+2, ... then wraps around
+        assert reading.read[:len(range(rank, len(eng), 2))] == list(range(rank, len(eng), 2))
 
 
 def test_resume_continues_where_the_loader_stopped(sets, model_cfg):
