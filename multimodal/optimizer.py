@@ -23,8 +23,12 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from multimodal.performance import flat_adamw_patch, multi_tensor, overlap_update
 
 
-def build_optimizer(cfg, model: torch.nn.Module, ddp, dtype: torch.dtype):
-    """(optimizer, scheduler) for ``model`` wrapped as ``ddp``, every patch applied in order."""
+def build_optimizer(cfg, model, ddp, dtype: torch.dtype):
+    """(optimizer, scheduler) for ``model`` wrapped as ``ddp``, every patch applied in order; with
+    virtual pipeline stages ``model`` / ``ddp`` are the lists of this rank's chunks and their wrappers
+    (one optimizer over all of them, as megatron's schedule expects)."""
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    ddps = list(ddp) if isinstance(ddp, (list, tuple)) else [ddp]
     o = cfg.optimizer
     opt_cfg = McoreOptimizerConfig(
         optimizer=o.name,
@@ -40,15 +44,16 @@ def build_optimizer(cfg, model: torch.nn.Module, ddp, dtype: torch.dtype):
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
     )
     multi_tensor.use_foreach_kernels()  # torch _foreach kernels where megatron would loop in Python (no TE/Apex)
-    optimizer = get_megatron_optimizer(opt_cfg, [ddp])
+    optimizer = get_megatron_optimizer(opt_cfg, ddps)
     if o.fused:
         multi_tensor.use_fused_adam(optimizer)
         if o.defer_grad_scaling:
-            multi_tensor.defer_grad_scaling(optimizer, [ddp])
-    flat_adamw_patch.use_flat_adamw(optimizer, [ddp], o.flat)  # before any step: the graphs capture param addresses
+            multi_tensor.defer_grad_scaling(optimizer, ddps)
+    flat_adamw_patch.use_flat_adamw(optimizer, ddps, o.flat)  # before any step: the graphs capture param addresses
     # the vision encoder replays all its blocks as one graph: its parameters are gated as one unit
-    opaque = [model.vision_model] if getattr(model, "vision_graphs", None) is not None else []
-    overlap_update.overlap_update_with_forward(model, optimizer, o.overlap_step, opaque=opaque,
+    opaque = [c.vision_model for c in chunks if getattr(c, "vision_graphs", None) is not None]
+    gated = chunks[0] if len(chunks) == 1 else torch.nn.ModuleList(chunks)
+    overlap_update.overlap_update_with_forward(gated, optimizer, o.overlap_step, opaque=opaque,
                                                pieces=o.overlap_step_pieces)
     decay = o.decay_iters or cfg.train.iters
     scheduler = OptimizerParamScheduler(

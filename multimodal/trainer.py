@@ -32,11 +32,11 @@ from core.seeding import seed_everything
 from data.loader import MicroBatchIterator, build_dataset, default_num_workers
 from data.prefetch import Prefetcher
 from models import get_hf_adapter, get_model_builder, get_model_family
-from models.common.virtual_pipeline import build_model_chunks
+from models.common.virtual_pipeline import as_one_module, build_model_chunks
 from models.performance import layer_graphs
 from multimodal import checkpointing, grad_scaling, hf_convert, platform, step_metrics, transforms
 from multimodal.async_saves import AsyncSaves
-from multimodal.config import Config, ConfigError
+from multimodal.config import Config
 from multimodal.context_parallel import sequence_pad_multiple
 from multimodal.evaluation import Evaluator
 from multimodal.flops import device_peak_tflops
@@ -77,13 +77,10 @@ def build_model(cfg: Config, rt: Runtime, dtype: torch.dtype, planned=None):
     # output layer and the loss; each chunk (virtual stage) builds only its own decoder layers.
     chunks = build_model_chunks(get_model_builder(cfg.model.name), cfg.model, cfg.parallel, dtype,
                                 deterministic=cfg.train.deterministic)
-    if len(chunks) != 1:  # the optimizer and its patches (multimodal/optimizer.py) take one chunk
-        raise ConfigError(f"parallel.vpp={len(chunks)}: the trainer builds its optimizer over one model chunk "
-                          "per pipeline rank; set parallel.vpp=1")
     built = transforms.apply_all(transforms.ModelBuild(cfg, rt, [c.to(rt.device) for c in chunks]), planned)
     if len(built.ddp) != len(built.chunks):
         raise RuntimeError("model transforms: no DDP wrapper per model chunk; keep transforms.DDPWrap in the list")
-    optimizer, scheduler = build_optimizer(cfg, built.chunks[0], built.ddp[0], dtype)
+    optimizer, scheduler = build_optimizer(cfg, built.chunks, built.ddp, dtype)
     grad_scaling.install(built.chunks, built.ddp, optimizer)
     return built, optimizer, scheduler
 
@@ -207,8 +204,11 @@ class Trainer:
         """Weights from a Hugging Face folder, or the whole state from one of our checkpoints."""
         cfg, m = self.cfg, self.cfg.model
         if self.hf_plan is not None:
-            counts = hf_convert.load_hf_weights(self.chunks[0], cfg.checkpoint.load, m,
-                                                get_hf_adapter(get_model_family(m.name)), self.hf_plan)
+            counts = {"tensors": 0, "bytes": 0}
+            for chunk in self.chunks:  # each chunk (virtual stage) reads the tensors of its own layers
+                got = hf_convert.load_hf_weights(chunk, cfg.checkpoint.load, m,
+                                                 get_hf_adapter(get_model_family(m.name)), self.hf_plan)
+                counts = {k: counts[k] + got[k] for k in counts}
             log.info("loaded %d tensors (%.2f GB on this rank) straight from the Hugging Face folder %s; optimizer "
                      "and step start fresh", counts["tensors"], counts["bytes"] / 1e9, cfg.checkpoint.load)
         if load_path is not None:
@@ -309,7 +309,7 @@ class Trainer:
         self.report += self.guard.after_step(it, self.scheduler.get_lr(self.optimizer.param_groups[0]), step_report)
         self.scheduler.step(increment=1)
         if self.saves is not None and it == self.start + 2:  # the moments exist (an overlapped update included)
-            self.saves.reserve_staging(self.chunks[0], self.optimizer)
+            self.saves.reserve_staging(as_one_module(self.chunks), self.optimizer)
         self.window.add(self.step.batches, self.cfg.model)
         self.result.tokens += sum(b["num_real_tokens"] for b in self.step.batches)
         self.profiler.end(it)
