@@ -108,6 +108,10 @@ class TrainConfig:
     # embeddings and GDN's beta/alpha rows of in_proj (<layer>.self_attention.in_proj_ba)
     fp8: str | None = None
     fp8_exclude: list[str] = field(default_factory=lambda: list(FP8_DEFAULT_EXCLUDE))
+    # compiled GPU kernels and autotune choices (Triton, TileLang, inductor) are kept here and reused
+    # by later runs; a folder on a shared file system serves every node (core/kernel_cache.py).
+    # null: each library's own default folder
+    kernel_cache: str | None = "~/.cache/qwen35-vl/kernels"
 
     def validate(self) -> None:
         for key in ("iters", "micro_batch_size", "global_batch_size", "seq_length"):
@@ -263,7 +267,17 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"override {item!r} must look like section.key=value")
         parsed = _parse_yaml(value, f"override {item!r}") if value.strip() else None
         _set_dotted(raw, _override_key(key.strip(), parsed), parsed)
-    return _build(Config, _upgrade(raw, "overrides"), "")
+    raw = _upgrade(raw, "overrides")
+    cfg = _build(Config, raw, "")
+    cfg.given = frozenset(_dotted_keys(raw))  # what the recipe or an override set, not a default
+    return cfg
+
+
+def _dotted_keys(raw: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key, value in raw.items():
+        out += _dotted_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"]
+    return out
 
 
 def _read_recipe(path: Path, chain: tuple[Path, ...] = ()) -> dict[str, Any]:
@@ -661,6 +675,8 @@ def resolve_sources(cfg: Config) -> Config:
         _require(family.hf_adapter is not None, f"model.hf_config: model.name={cfg.model.name} has no Hugging "
                  "Face config reader; set model.hf_config=null and give the architecture in the recipe")
         cfg.model = get_hf_adapter(family).model_config_from_hf(cfg.model.hf_config, base=cfg.model)
+        if hasattr(cfg.model, "mtp_num_layers") and "model.mtp_num_layers" not in getattr(cfg, "given", ()):
+            _mtp_as_the_checkpoint(cfg, get_hf_adapter(family))
     if cfg.data.tokenizer:
         from data.chat import special_token_ids
         from data.registry import load_tokenizer
@@ -669,6 +685,20 @@ def resolve_sources(cfg: Config) -> Config:
             setattr(cfg.model, key, value)
         _fill_from_processor_files(cfg)
     return cfg
+
+
+def _mtp_as_the_checkpoint(cfg: Config, adapter) -> None:
+    """model.mtp_num_layers left unset follows the checkpoint's MTP depth (the released ones have
+    one), so a fine-tune keeps training the head that speculative decoding uses; where the layout
+    cannot run it, it stays 0 and the export copies the untrained head through unchanged."""
+    depth = getattr(adapter.model_config_from_hf(cfg.model.hf_config), "mtp_num_layers", 0) or 0
+    p = cfg.parallel
+    conflict = "parallel.pp > 1" if p.pp > 1 else "parallel.moe_a2a_overlap=true" if p.moe_a2a_overlap else None
+    if depth and conflict:
+        log.info("model.mtp_num_layers=0: the checkpoint's MTP head (%d layer(s)) does not train under %s; an "
+                 "export copies it through unchanged", depth, conflict)
+        depth = 0
+    cfg.model.mtp_num_layers = depth
 
 
 def _fill_from_processor_files(cfg: Config) -> None:

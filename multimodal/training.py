@@ -8,9 +8,13 @@ importable from here for the entry point, the scripts and the tests.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from megatron.core import parallel_state as ps
 
+from core.kernel_cache import describe as describe_kernel_cache
+from core.kernel_cache import use_kernel_cache
 from models import get_model_family
 from multimodal import hf_convert, platform
 from multimodal.config import Config, ConfigError, resolve_sources, validate
@@ -23,6 +27,8 @@ from multimodal.trainer import TrainResult, Trainer, build_model, checkpoint_met
 __all__ = ["TrainResult", "Trainer", "build_model_and_optimizer", "check_gradient_scaling", "checkpoint_meta",
            "finalize_grads", "forward_step", "resolve_dtype", "train", "_Window", "_param_norm"]
 
+log = logging.getLogger(__name__)
+
 
 def train(cfg: Config) -> TrainResult:
     rt = init_distributed()
@@ -31,6 +37,8 @@ def train(cfg: Config) -> TrainResult:
                           "all-to-alls on their own CUDA streams; set parallel.moe_a2a_overlap=false here")
     resolve_sources(cfg)
     validate(cfg, rt.world_size)
+    if rt.is_cuda and cfg.train.kernel_cache:  # before the first kernel compiles (the model build)
+        log.info(describe_kernel_cache(use_kernel_cache(cfg.train.kernel_cache), cfg.train.kernel_cache))
     p = cfg.parallel
     hf_plan = None
     if cfg.checkpoint.load and hf_convert.is_hf_folder(cfg.checkpoint.load):

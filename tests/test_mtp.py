@@ -282,3 +282,24 @@ def test_flops_count_the_mtp_matmuls_torch_counts(mcore):
     base = cfg.model.__class__(**{**vars(cfg.model), "mtp_num_layers": 0})
     lengths = batch["sample_lengths"]
     assert training_flops(cfg.model, lengths, []) > training_flops(base, lengths, []) + 3 * (weights + head) * sum(lengths)
+
+
+def test_mtp_depth_follows_the_hf_checkpoint_unless_set(tmp_path):
+    """model.mtp_num_layers left unset is the checkpoint's mtp_num_hidden_layers; 0 turns it off,
+    and a layout that cannot train the head keeps 0 (the export then carries the head over)."""
+    import json
+
+    from helpers.hf_fixtures import add_mtp_head, make_hf_checkpoint
+    from multimodal.config import load_config, resolve_sources
+
+    hf_dir = make_hf_checkpoint(tmp_path / "hf", layers=4)
+    add_mtp_head(hf_dir)
+    raw = json.loads((hf_dir / "config.json").read_text())
+    depth = {}
+    for heads in (1, 0):
+        raw["text_config"]["mtp_num_hidden_layers"] = heads
+        (hf_dir / "config.json").write_text(json.dumps(raw))
+        for name, extra in [("unset", []), ("off", ["model.mtp_num_layers=0"]), ("pp2", ["parallel.pp=2"])]:
+            cfg = load_config("configs/qwen35_vl_proxy.yaml", [f"model.hf_config={hf_dir}", *extra])
+            depth[name, heads] = resolve_sources(cfg).model.mtp_num_layers
+    assert depth == {("unset", 1): 1, ("off", 1): 0, ("pp2", 1): 0, ("unset", 0): 0, ("off", 0): 0, ("pp2", 0): 0}

@@ -64,11 +64,11 @@ class ModelConfig(CommonModelConfig):
     # then the PyTorch path.
     fused_mrope: bool | None = None
     gdn_pre_impl: str = "auto"  # auto | fused | unfused
-    # Multi-token prediction (models/common/mtp.py): the MTP depths trained beside the LM loss
-    # (0 = none; the released checkpoints have 1, HF mtp_num_hidden_layers), and the weight of
-    # their mean loss added to the LM loss
+    # Multi-token prediction depths trained beside the LM loss (models/common/mtp.py; 0 = none); left
+    # unset with a Hugging Face config: the checkpoint's mtp_num_hidden_layers (the released ones have
+    # 1), or 0 under a layout that cannot train it (parallel.pp > 1, moe_a2a_overlap)
     mtp_num_layers: int = 0
-    mtp_loss_scale: float = 0.1
+    mtp_loss_scale: float = 0.1  # the weight of the mean MTP loss added to the LM loss
     # initial weights: layout_independent = a function of train.seed alone, the same model under any
     # TP/PP/EP/CP/DP layout (models/common/layout_init.py); megatron = megatron-core's per-rank draw
     init: str = "layout_independent"
