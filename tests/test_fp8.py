@@ -178,6 +178,7 @@ def test_moe_proxy_converts_the_decoder_and_trains_every_parameter(mcore):
     assert in_proj and all(m._forward_impl.args[1].hp_rows == 2 * cfg.model.linear_num_value_heads for m in in_proj)
     line = report.line()
     assert f"{len(report.fp8)} modules in FP8" in line and "*.router" in line
+    assert f"{len(in_proj)} with their *_ba rows (GDN beta / alpha) in bf16" in line
 
     loss = optimizer_steps(cfg, model, ddp, optimizer, scheduler, 1)[0]
     assert loss != bf16_loss

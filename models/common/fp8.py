@@ -183,12 +183,14 @@ class Report:
     fp8: list[str] = field(default_factory=list)
     excluded: list[str] = field(default_factory=list)  # by a pattern
     unaligned: list[str] = field(default_factory=list)  # widths not multiples of 16
+    tail_rows: list[str] = field(default_factory=list)  # FP8 linears whose last output rows stay bf16
     patterns: tuple[str, ...] = ()
 
     def line(self) -> str:
         """The one log line: what runs in FP8, what does not, and why."""
         return (f"train.fp8={self.recipe}: {len(self.fp8)} modules in FP8 (linears and grouped experts), "
                 f"{len(self.excluded)} kept in bf16 by train.fp8_exclude {list(self.patterns)}"
+                + (f", {len(self.tail_rows)} with their *_ba rows (GDN beta / alpha) in bf16" if self.tail_rows else "")
                 + (f", {len(self.unaligned)} kept in bf16 as their widths are not multiples of 16 "
                    f"({', '.join(self.unaligned[:3])}{' ...' if len(self.unaligned) > 3 else ''})"
                    if self.unaligned else ""))
@@ -241,6 +243,8 @@ def convert(model: torch.nn.Module, recipe: str, exclude=DEFAULT_EXCLUDE) -> Rep
         module._forward_impl = functools.partial(_fp8_forward_impl, module, spec)
         module.fp8_recipe = recipe
         report.fp8.append(name)
+        if hp_rows:
+            report.tail_rows.append(name)
     return report
 
 

@@ -138,12 +138,17 @@ def aligned(*widths: int) -> bool:
 
 def fast_path_reason(device: torch.device, grouped: bool = False) -> str | None:
     """None when torch's scaled GEMM runs on ``device``, else why not."""
+    return _fast_path_reason(device.type, device.index, grouped)
+
+
+@functools.cache  # asked once per GEMM: the answer per device never changes
+def _fast_path_reason(device_type: str, index: int | None, grouped: bool) -> str | None:
     name = "_scaled_grouped_mm" if grouped else "_scaled_mm"
     if not hasattr(torch, name):
         return f"torch {torch.__version__} has no torch.{name}"
-    if device.type != "cuda":
-        return f"tensors on {device.type}, FP8 GEMMs need CUDA"
-    cc = torch.cuda.get_device_capability(device)
+    if device_type != "cuda":
+        return f"tensors on {device_type}, FP8 GEMMs need CUDA"
+    cc = torch.cuda.get_device_capability(index)
     if cc < (9, 0):
         return f"compute capability {cc} < (9, 0) (FP8 tensor cores start at Hopper)"
     return None
