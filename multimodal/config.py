@@ -348,7 +348,7 @@ def _upgrade(raw: dict[str, Any], where: str) -> dict[str, Any]:
         node = raw.get(section)
         if isinstance(node, dict) and isinstance(node.get(sub), bool):
             node[sub] = {"enabled": node[sub]}
-    for section in ("data", "train"):
+    for section in sorted({old.split(".")[0] for old in RENAMED_KEYS}):
         node = raw.get(section)
         if not isinstance(node, dict):
             continue

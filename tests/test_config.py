@@ -251,7 +251,7 @@ NESTED = ["data.video.fps=3.0", "data.loader.num_workers=1", "data.mock.max_imag
           "train.cuda_graphs.max_samples=8"]
 
 
-def test_old_flat_keys_in_a_recipe_and_overrides_map_to_the_sections_with_one_deprecation_each(tmp_path, deprecations):
+def test_old_flat_keys_in_recipes_and_overrides_map_to_sections_with_one_deprecation_each(tmp_path, deprecations):
     recipe = _write(tmp_path / "old.yaml", f"base: {Path(PROXY).resolve()}\n"
                     "data: {video_fps: 3.0, num_workers: 1, max_images: 2}\n"
                     "train: {cuda_graphs: true, cuda_graph_max_samples: 8}\n")
