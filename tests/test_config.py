@@ -246,9 +246,9 @@ def deprecations(monkeypatch, caplog):
     return lambda: [r.getMessage() for r in caplog.records if "is deprecated" in r.getMessage()]
 
 
-NESTED = ["data.video.fps=3.0", "data.loader.num_workers=1", "data.mock.max_images=2", "data.cord_v2.target_format=donut",
-          "data.conversations.system_prompt=Be brief.", "train.cuda_graphs.enabled=true",
-          "train.cuda_graphs.max_samples=8"]
+NESTED = ["data.video.fps=3.0", "data.loader.num_workers=1", "data.mock.max_images=2",
+          "data.cord_v2.target_format=donut", "data.conversations.system_prompt=Be brief.",
+          "train.cuda_graphs.enabled=true", "train.cuda_graphs.max_samples=8"]
 
 
 def test_old_flat_keys_in_recipes_and_overrides_map_to_sections_with_one_deprecation_each(tmp_path, deprecations):
