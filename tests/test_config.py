@@ -298,3 +298,19 @@ def test_cuda_graphs_shorthand_and_a_key_given_twice(tmp_path, deprecations):
         load_config(both)
     # an override in the old form replaces the recipe's value in the new one (overrides come last)
     assert load_config(PROXY, ["data.mock.max_images=2", "data.max_images=1"]).data.mock.max_images == 1
+
+
+def test_processor_files_are_read_by_the_model_family(tmp_path):
+    """What a checkpoint's preprocessor_config.json means is the family's (ModelFamily.processor_settings):
+    Qwen3.5's reader takes its normalisation and refuses other patching; a family without one reads nothing."""
+    import json
+
+    from data.tiny_tokenizer import build_tiny_tokenizer
+    from multimodal.config import resolve_sources
+
+    build_tiny_tokenizer(tmp_path)
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"image_mean": [0.1, 0.2, 0.3], "patch_size": 14}))
+    with pytest.raises(ConfigError, match=r"patch_size=14 but the model's vision config has 16"):
+        resolve_sources(load_config(PROXY, [f"data.tokenizer={tmp_path}"]))
+    d = resolve_sources(load_config(TINY, [f"data.tokenizer={tmp_path}"])).data
+    assert d.image_mean == [0.5, 0.5, 0.5]
