@@ -39,9 +39,11 @@ import json
 import os
 from pathlib import Path
 
+from core.errors import DataError
 from data.conversations import ConversationsDataset
 from data.cord_v2 import SkipSample
 from data.energon_config import EnergonConfig
+from data.record_sources import RecordSourceError  # a DataError: one line, exit code 2
 
 INSTALL = 'pip install -e ".[energon]"'
 META = ".nv-meta"
@@ -50,24 +52,24 @@ META = ".nv-meta"
 def check_prepared(path: str | None) -> Path:
     """``path`` as a prepared energon folder, or a one-line error naming the fix."""
     if not path:
-        raise ValueError("data.name=energon needs data.path: a folder prepared with `energon prepare DIR`")
+        raise RecordSourceError("data.name=energon needs data.path: a folder prepared with `energon prepare DIR`")
     folder = Path(path)
     if folder.is_file() and folder.suffix in (".yaml", ".yml"):
-        raise ValueError(f"data.path={path!r} is an energon metadataset; data.name=energon reads one prepared "
-                         "dataset folder: point data.path at it")
+        raise RecordSourceError(f"data.path={path!r} is an energon metadataset; data.name=energon reads one "
+                                "prepared dataset folder: point data.path at it")
     if not folder.is_dir():
-        raise ValueError(f"data.path={path!r} does not exist; point it at a folder of WebDataset shards prepared "
-                         "with `energon prepare DIR`")
+        raise RecordSourceError(f"data.path={path!r} does not exist; point it at a folder of WebDataset shards "
+                                "prepared with `energon prepare DIR`")
     if not any((folder / META / name).is_file() for name in (".info.json", ".info.yaml")):
-        raise ValueError(f"data.path={path!r} is not a prepared energon dataset (no {META}/.info.json); run "
-                         f"`energon prepare {path}`")
+        raise RecordSourceError(f"data.path={path!r} is not a prepared energon dataset (no {META}/.info.json); "
+                                f"run `energon prepare {path}`")
     if not (folder / META / "dataset.yaml").is_file():
-        raise ValueError(f"data.path={path!r} has no {META}/dataset.yaml (its sample type); run "
-                         f"`energon prepare {path}` and choose the sample type")
+        raise RecordSourceError(f"data.path={path!r} has no {META}/dataset.yaml (its sample type); run "
+                                f"`energon prepare {path}` and choose the sample type")
     return folder
 
 
-def _energon():
+def energon_modules():
     """The megatron-energon modules this file uses, imported on first use (an optional extra)."""
     try:
         from megatron import energon
@@ -75,7 +77,7 @@ def _energon():
         from megatron.energon.flavors.webdataset.itar_reader import ShardInfosITarReader
         from megatron.energon.flavors.webdataset.sample_decoder import SampleDecoder
     except ImportError as e:
-        raise ImportError(f"data.name=energon needs the megatron-energon package ({e}); {INSTALL}") from None
+        raise DataError(f"data.name=energon needs the megatron-energon package ({e}); {INSTALL}") from None
     return energon, get_dataset_from_config, ShardInfosITarReader, SampleDecoder
 
 
@@ -85,7 +87,7 @@ def _media_as_bytes_decoder():
     as conversation files are (``data/image.py``), not by webdataset's image handler."""
     import webdataset
 
-    _, _, _, SampleDecoder = _energon()
+    _, _, _, SampleDecoder = energon_modules()
 
     class MediaAsBytes(SampleDecoder):
         def __init__(self):
@@ -98,20 +100,16 @@ def _media_as_bytes_decoder():
     return MediaAsBytes()
 
 
-def _media_refs(value, parts: dict):
-    """An image/video reference with part names replaced by those parts' bytes (a frame list too)."""
-    if isinstance(value, list):
-        return [_media_refs(v, parts) for v in value]
-    return parts[value] if isinstance(value, str) and isinstance(parts.get(value), bytes) else value
-
-
-def attach_parts(record: dict, parts: dict) -> dict:
-    """A conversations record whose images and videos name parts of the same energon sample, with
-    those references replaced by the parts' bytes (others are left for the conversations reader)."""
+def map_media(record: dict, fn) -> dict:
+    """A copy of a conversations record (either form) with each image and video reference ``v``
+    replaced by ``fn(v, kind)``, kind ``"image"`` or ``"video"`` (a video given as frames is one
+    reference: its list)."""
     record = dict(record)
-    for key in ("image", "images", "video", "videos"):  # the LLaVA/ShareGPT form
-        if key in record:
-            record[key] = _media_refs(record[key], parts)
+    for key, kind in (("image", "image"), ("images", "image"), ("video", "video"), ("videos", "video")):
+        if record.get(key) is not None:  # the LLaVA/ShareGPT form: "image" may be one or a list
+            value = record[key]
+            many = key.endswith("s") or (key == "image" and isinstance(value, list))
+            record[key] = [fn(v, kind) for v in value] if many else fn(value, kind)
     if isinstance(record.get("messages"), list):
         messages = []
         for msg in record["messages"]:
@@ -119,13 +117,27 @@ def attach_parts(record: dict, parts: dict) -> dict:
                 content = []
                 for part in msg["content"]:
                     if isinstance(part, dict):
-                        part = {k: _media_refs(v, parts) if k in ("image", "image_url", "video") else v
+                        part = {k: fn(v, "video" if k == "video" else "image")
+                                if k in ("image", "image_url", "video") and v is not None else v
                                 for k, v in part.items()}
                     content.append(part)
                 msg = {**msg, "content": content}
             messages.append(msg)
         record["messages"] = messages
     return record
+
+
+def _part_bytes(value, parts: dict):
+    """A media reference with part names replaced by those parts' bytes (a frame list too)."""
+    if isinstance(value, list):
+        return [_part_bytes(v, parts) for v in value]
+    return parts[value] if isinstance(value, str) and isinstance(parts.get(value), bytes) else value
+
+
+def attach_parts(record: dict, parts: dict) -> dict:
+    """A conversations record whose images and videos name parts of the same energon sample, with
+    those references replaced by the parts' bytes (others are left for the conversations reader)."""
+    return map_media(record, lambda value, kind: _part_bytes(value, parts))
 
 
 def _text(value) -> str:
@@ -146,18 +158,20 @@ class EnergonRecords:
     """The samples of one split of a prepared energon folder, by index, as conversation records."""
 
     def __init__(self, folder: Path, cfg: EnergonConfig):
-        energon, get_dataset_from_config, _, _ = _energon()
+        energon, get_dataset_from_config, _, _ = energon_modules()
         try:
             self.factory = get_dataset_from_config(
                 folder, split_part=cfg.split_part, training=False, decoder=_media_as_bytes_decoder(),
                 worker_config=energon.WorkerConfig(rank=0, world_size=1, num_workers=0))
         except AssertionError as e:  # energon states a bad split part or field map as an assertion
-            raise ValueError(f"data.path={str(folder)!r}: {e} (data.energon.split_part={cfg.split_part!r})") from None
+            raise RecordSourceError(f"data.path={str(folder)!r}: {e} "
+                                    f"(data.energon.split_part={cfg.split_part!r})") from None
         kind = self.factory.__sample_type__
         convert = next((fn for t, fn in self._converters(energon).items() if issubclass(kind, t)), None)
         if convert is None:
-            raise ValueError(f"data.path={str(folder)!r} holds energon {kind.__name__} samples; data.name=energon "
-                             "reads CrudeSample (conversation records), VQASample and CaptioningSample")
+            raise RecordSourceError(f"data.path={str(folder)!r} holds energon {kind.__name__} samples; "
+                                    "data.name=energon reads CrudeSample (conversation records), VQASample and "
+                                    "CaptioningSample")
         self.folder, self.cfg, self.convert, self.sample_type = folder, cfg, convert, kind.__name__
         self.length = len(self.factory)
         self._reader, self._pid = None, None
@@ -173,7 +187,7 @@ class EnergonRecords:
         """This process's tar reader: a decode worker forked from the trainer opens its own
         files, since a shared file offset would mix two processes' reads."""
         if self._pid != os.getpid():
-            _, _, ShardInfosITarReader, _ = _energon()
+            _, _, ShardInfosITarReader, _ = energon_modules()
             f = self.factory
             self._reader = ShardInfosITarReader(f.path, f.shards, part_filter=f.part_filter,
                                                 sample_filter=f.sample_filter)

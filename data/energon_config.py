@@ -17,4 +17,5 @@ class EnergonConfig:
     def validate(self) -> None:
         for key in ("split_part", "record_part"):
             if not getattr(self, key):
-                raise ConfigError(f"data.energon.{key} must name a split part / sample part, got {getattr(self, key)!r}")
+                raise ConfigError(f"data.energon.{key} must name a split part / sample part, "
+                                  f"got {getattr(self, key)!r}")

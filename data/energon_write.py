@@ -22,6 +22,7 @@ import json
 import tarfile
 from pathlib import Path
 
+from data.energon import energon_modules, map_media
 from data.record_sources import open_records
 
 CRUDE_DATASET_YAML = "__module__: megatron.energon\n__class__: CrudeWebdataset\n"
@@ -77,27 +78,7 @@ class _Parts:
 def to_sample(record: dict, root: Path) -> dict[str, bytes]:
     """One record -> the parts of its energon sample (``json`` + one part per image or video)."""
     parts = _Parts(root)
-    record = dict(record)
-    for key, kind in (("image", "image"), ("images", "image"), ("video", "video"), ("videos", "video")):
-        if record.get(key) is not None:  # LLaVA/ShareGPT form
-            value = record[key]
-            many = key.endswith("s") or (kind == "image" and isinstance(value, list))
-            record[key] = [parts.ref(v, kind) for v in value] if many else parts.ref(value, kind)
-    if isinstance(record.get("messages"), list):
-        messages = []
-        for msg in record["messages"]:
-            if isinstance(msg, dict) and isinstance(msg.get("content"), list):
-                content = []
-                for part in msg["content"]:
-                    if isinstance(part, dict):
-                        part = dict(part)
-                        for key in ("image", "image_url", "video"):
-                            if part.get(key) is not None:
-                                part[key] = parts.ref(part[key], "video" if key == "video" else "image")
-                    content.append(part)
-                msg = {**msg, "content": content}
-            messages.append(msg)
-        record["messages"] = messages
+    record = map_media(record, parts.ref)
     return {"json": json.dumps(record).encode(), **parts.files}
 
 
@@ -113,9 +94,7 @@ def write_energon_dataset(records_path: str | Path, out: str | Path, samples_per
     """Write the records of ``records_path`` as tar shards under ``out`` and prepare them with
     energon (``.nv-meta/``); returns ``out``. Shards are split into ``split_parts`` by ratio, in
     order (no shuffle), so the sample order is the records' order."""
-    from data.energon import _energon
-
-    _energon()  # the one-line install hint, before anything is written
+    energon_modules()  # the one-line install hint, before anything is written
     from megatron.energon.flavors.webdataset.base_webdataset import BaseWebdatasetFactory
 
     records_path, out = Path(records_path), Path(out)

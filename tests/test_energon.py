@@ -15,15 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("megatron.energon", reason='megatron-energon is in the dev extra: pip install -e ".[dev]"')
-
-from data.conversations import ConversationsDataset  # noqa: E402
-from data.energon import EnergonDataset  # noqa: E402
-from data.energon_config import EnergonConfig  # noqa: E402
-from data.energon_write import write_energon_dataset  # noqa: E402
-from data.loader import MicroBatchIterator  # noqa: E402
-from multimodal.config import DataConfig  # noqa: E402
-from test_conversations import _jsonl, _png, model_cfg, tok, tok_dir, write_synthetic_conversations  # noqa: E402,F401
+from data.conversations import ConversationsDataset
+from data.energon import EnergonDataset
+from data.energon_config import EnergonConfig
+from data.energon_write import write_energon_dataset
+from data.loader import MicroBatchIterator
+from multimodal.config import DataConfig
+from test_conversations import _jsonl, _png, model_cfg, tok, tok_dir, write_synthetic_conversations  # noqa: F401
 
 SEQ = 1024
 PIXELS = dict(min_pixels=1024, max_pixels=16384)  # small images: each test takes a second or two
@@ -47,7 +45,8 @@ def _records(tmp: Path) -> list:
         {"video": frames, "conversations": [{"from": "human", "value": "<video>\nWhat moves?"},
                                             {"from": "gpt", "value": "Nothing."}]},
         {"messages": [{"role": "system", "content": "You read receipts."},
-                      {"role": "user", "content": [{"type": "image", "image": data_url}, {"type": "text", "text": "Sum?"}]},
+                      {"role": "user", "content": [{"type": "image", "image": data_url},
+                                                   {"type": "text", "text": "Sum?"}]},
                       {"role": "assistant", "content": "12"}]},
         {"messages": [{"role": "user", "content": [{"type": "image", "image": "images/none.png"}]},
                       {"role": "assistant", "content": "x"}]},
