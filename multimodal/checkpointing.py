@@ -249,7 +249,8 @@ def save(ckpt_dir: str, iteration: int, model, optimizer, scheduler, data_state:
     # the newest checkpoint marked so
     t0 = time.perf_counter()
     trainer = {"iteration": iteration, "scheduler": scheduler.state_dict(), "world_size": dist.get_world_size(),
-               "finite": True, **_data_parallel_map(), **_data_frontier(data_state), **(extra or {})}
+               "finite": True, "distributed_optimizer_layout": _optimizer_layout(optimizer), **_data_parallel_map(),
+               **_data_frontier(data_state), **(extra or {})}
     sharded = _sharded_state(as_one_module(model), optimizer, is_loading=False)
     t1 = time.perf_counter()
     final = _write(Path(ckpt_dir), iteration, sharded, trainer, meta_files, {"rng": _rng_state(), "data": data_state},
@@ -259,6 +260,32 @@ def save(ckpt_dir: str, iteration: int, model, optimizer, scheduler, data_state:
                  "staging and the writer's start %.2f s); the files are written in the background",
                  final.name, time.perf_counter() - t0, t1 - t0, time.perf_counter() - t1)
     return final
+
+
+def _optimizer_layout(optimizer) -> dict | None:
+    """The model-parallel layout that megatron's distributed optimizer's stored state belongs to
+    (its ``dp_reshardable`` format keeps each rank's gradient-bucket shards, which exist only for
+    that TP/PP/VPP/EP split), or None for any other optimizer (its state has global keys)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    parts = getattr(optimizer, "chained_optimizers", [optimizer])
+    if not ps.model_parallel_is_initialized() or not any(isinstance(o, DistributedOptimizer) for o in parts):
+        return None
+    return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+            "vpp": ps.get_virtual_pipeline_model_parallel_world_size() or 1,
+            "ep": ps.get_expert_model_parallel_world_size()}
+
+
+def _check_optimizer_layout(path: Path, trainer: dict, optimizer) -> None:
+    saved, now = trainer.get("distributed_optimizer_layout"), _optimizer_layout(optimizer)
+    if saved is not None and saved != now:
+        def fmt(layout):
+            return " ".join(f"{k}={v}" for k, v in layout.items()) if layout else "without the distributed optimizer"
+
+        raise CheckpointError(
+            f"{path} holds distributed-optimizer state of the layout {fmt(saved)}, stored per gradient bucket of "
+            f"that layout; this run is {fmt(now)}: resume with the saved parallel.tp/pp/vpp/ep and "
+            "parallel.use_distributed_optimizer=true (checkpoints of the plain optimizer load under any layout)")
 
 
 def _data_parallel_map() -> dict:
@@ -650,6 +677,7 @@ def load(path: Path, model, optimizer, scheduler, model_config: dict | None = No
         _read(path, "the weights", lambda: load_weights(path, model))
         log.info("loaded weights from %s (weights-only checkpoint: optimizer and step start fresh)", path)
         return 0, None
+    _check_optimizer_layout(path, trainer, optimizer)
     _prime_distributed_optimizer_state(optimizer)
     state = _read(path, "the model and optimizer tensors",
                   lambda: dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(path)))

@@ -80,15 +80,17 @@ def runs(tmp_path_factory, mcore):
 
     tmp = tmp_path_factory.mktemp("vpp")
     dist, plain = tmp / "dist", tmp / "plain"
-    _launch(tmp, [dict(config=DENSE, overrides=[*ROWS, *LAYOUT, DIST_OPT, f"logging.dir={dist}"]),
+    _launch(tmp, [dict(config=DENSE, overrides=[*ROWS, *LAYOUT, DIST_OPT, f"logging.dir={dist}",
+                                                f"checkpoint.dir={dist / 'ckpt'}", "checkpoint.interval=2"]),
                   dict(config=DENSE, overrides=[*ROWS, *LAYOUT, f"logging.dir={plain}",
                                                 f"checkpoint.dir={plain / 'ckpt'}", "checkpoint.interval=2"])], nproc=4)
     train_in_process(DENSE, [*ROWS, DIST_OPT, f"logging.dir={tmp / 'ref'}"])
     train_in_process(DENSE, [*ROWS, f"logging.dir={tmp / 'resumed'}",
                              f"checkpoint.load={plain / 'ckpt' / 'iter_0000002'}"])
-    return {k: _metrics(tmp / k) for k in ("ref", "dist", "plain", "resumed")}
+    return {**{k: _metrics(tmp / k) for k in ("ref", "dist", "plain", "resumed")}, "tmp": tmp}
 
 
+@pytest.mark.slow
 def test_pp2_vpp2_tp2_trains_like_one_process(runs):
     """PP=2 x VPP=2 x TP=2 (interleaved schedule) with the distributed optimizer and with the plain
     one logs the one-process losses, gradient norms, tokens and FLOPs step by step, and trains."""
@@ -99,6 +101,7 @@ def test_pp2_vpp2_tp2_trains_like_one_process(runs):
     assert runs["dist"][STEPS]["loss"] < runs["dist"][1]["loss"]
 
 
+@pytest.mark.slow
 def test_pp2_vpp2_checkpoint_resumes_under_pp1(runs):
     """A checkpoint saved at step 2 under PP=2 x VPP=2 x TP=2 (plain optimizer: its per-parameter
     state is stored under global keys, megatron's distributed optimizer's buckets are not) loads under
@@ -106,6 +109,22 @@ def test_pp2_vpp2_checkpoint_resumes_under_pp1(runs):
     resumed, plain = runs["resumed"], runs["plain"]
     assert sorted(resumed) == list(range(3, STEPS + 1))
     _compare(plain, resumed, "pp=2 vpp=2 tp=2 checkpoint resumed at pp=1", world=1 / 4)
+
+
+@pytest.mark.slow
+def test_distributed_optimizer_checkpoint_under_another_layout_is_refused_in_one_line(runs):
+    """The distributed optimizer's state is stored per gradient bucket of the layout it ran under:
+    loading it under PP=1 stops before any tensor is read, naming both layouts and the fix."""
+    from core.errors import CheckpointError
+    from tests.helpers.mp_vpp import train_in_process
+
+    tmp = runs["tmp"]
+    with pytest.raises(CheckpointError) as err:
+        train_in_process(DENSE, [*ROWS, DIST_OPT, f"logging.dir={tmp / 'refused'}",
+                                 f"checkpoint.load={tmp / 'dist' / 'ckpt' / 'iter_0000002'}"])
+    msg = str(err.value)
+    assert "tp=2 pp=2 vpp=2 ep=1" in msg and "this run is tp=1 pp=1 vpp=1 ep=1" in msg and "\n" not in msg, msg
+
 
 
 @pytest.mark.parametrize("num_layers,pp,vpp,first,last", [
