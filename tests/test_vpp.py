@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from test_parallel import _free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 DENSE = "configs/qwen35_vl_proxy.yaml"
 STEPS = 3
@@ -31,14 +33,6 @@ LAYOUT = ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=2"]
 LOSS_TOL = 1e-5  # the logged (per-token mean) loss of a step
 # TP=2 sums in another order; Adam carries the last-bit differences into the next steps' grads
 GRAD_NORM_RTOL = 2e-5
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _launch(tmp: Path, runs: list[dict], nproc: int) -> None:
