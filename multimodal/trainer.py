@@ -149,8 +149,9 @@ class Trainer:
             load_path = self._prepare_checkpoint_dir()
             self._build()
             try:
-                self._open_data()
+                self._open_loader()
                 self._load(load_path)
+                self._start_batches()  # after the load: a prefetch thread reads ahead from the restored position
                 return self._loop()
             finally:
                 self._close()
@@ -185,7 +186,7 @@ class Trainer:
                      cfg.model.name, n_params / 1e6, self.dtype, rt.device, dp_size, cfg.parallel.pp,
                      self.num_microbatches)
 
-    def _open_data(self) -> None:
+    def _open_loader(self) -> None:
         cfg, m, loader_cfg = self.cfg, self.cfg.model, self.cfg.data.loader
         if loader_cfg.num_workers is None:  # resolved here, so the saved config says what ran
             loader_cfg.num_workers = default_num_workers(self.rt.is_cuda)
@@ -194,6 +195,10 @@ class Trainer:
         self.loader = MicroBatchIterator.from_config(dataset, m, cfg.data, cfg.train, ps.get_data_parallel_rank(),
                                                      ps.get_data_parallel_world_size(),
                                                      pad_multiple=sequence_pad_multiple(cfg))
+
+    def _start_batches(self) -> None:
+        """The batches the schedule reads: the loader, or a thread that builds them ahead of it."""
+        m, loader_cfg = self.cfg.model, self.cfg.data.loader
         depth = loader_cfg.prefetch if loader_cfg.prefetch is not None else (2 if self.rt.is_cuda else 0)
         family = get_model_family(m.name)
         prepare = functools.partial(family.prepare_host_batch, m=m) if family.prepare_host_batch else None
