@@ -57,6 +57,9 @@ def check_prepared(path: str | None) -> Path:
     if folder.is_file() and folder.suffix in (".yaml", ".yml"):
         raise RecordSourceError(f"data.path={path!r} is an energon metadataset; data.name=energon reads one "
                                 "prepared dataset folder: point data.path at it")
+    if folder.is_file():
+        raise RecordSourceError(f"data.path={path!r} is a file; data.name=energon reads a folder prepared with "
+                                "`energon prepare DIR` (a conversations file: data.name=conversations)")
     if not folder.is_dir():
         raise RecordSourceError(f"data.path={path!r} does not exist; point it at a folder of WebDataset shards "
                                 "prepared with `energon prepare DIR`")

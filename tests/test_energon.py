@@ -198,7 +198,9 @@ def test_vqa_and_captioning_samples_become_conversations(tmp_path, tok_dir, mode
 
 
 def test_missing_or_unprepared_folder_is_one_line_naming_the_fix(tmp_path, tok_dir, model_cfg, tok):
-    for path, says in ((tmp_path / "absent", "does not exist"), (tmp_path, f"run `energon prepare {tmp_path}`")):
+    (tmp_path / "r.jsonl").write_text("")
+    for path, says in ((tmp_path / "absent", "does not exist"), (tmp_path, f"run `energon prepare {tmp_path}`"),
+                       (tmp_path / "r.jsonl", "a conversations file: data.name=conversations")):
         with pytest.raises(ValueError) as e:
             EnergonDataset(model_cfg, _data("energon", path, tok_dir), SEQ, tok)
         assert says in str(e.value) and "\n" not in str(e.value), str(e.value)
@@ -206,3 +208,10 @@ def test_missing_or_unprepared_folder_is_one_line_naming_the_fix(tmp_path, tok_d
                                    tmp_path / "e")
     with pytest.raises(ValueError, match="Invalid split part: 'val'.*data.energon.split_part='val'"):
         EnergonDataset(model_cfg, _data("energon", folder, tok_dir, energon=EnergonConfig(split_part="val")), SEQ, tok)
+    other = EnergonDataset(model_cfg, _data("energon", folder, tok_dir, energon=EnergonConfig(record_part="txt")),
+                           SEQ, tok)
+    assert other[0] is None and dict(other.skipped) == {"bad_record": 1}  # no such part: skipped and counted
+    (folder / ".nv-meta" / "dataset.yaml").write_text(
+        "sample_type:\n  __module__: megatron.energon\n  __class__: ImageSample\nfield_map:\n  image: json\n")
+    with pytest.raises(ValueError, match="holds energon ImageSample samples; data.name=energon reads CrudeSample"):
+        EnergonDataset(model_cfg, _data("energon", folder, tok_dir), SEQ, tok)
