@@ -651,8 +651,8 @@ def validate_moe_a2a_overlap(cfg: Config) -> None:
     # 'auto' is bf16 on a GPU; the model builder refuses it where it resolves to fp32 (no GPU)
     _require(t.precision != "fp32", f"{why} needs bf16 (megatron supports the overlap for bf16/fp16 models "
                                     "only); set train.precision=bf16 (or auto on a GPU)")
-    _require(p.pp == 1, f"{why} with pipeline parallelism needs virtual pipeline stages, which this trainer "
-                        f"does not build; set parallel.pp=1 (got {p.pp})")
+    _require(p.pp == 1, f"{why} runs megatron's combined 1F1B schedule, which this trainer does not run "
+                        f"under pipeline parallelism (plain or interleaved); set parallel.pp=1 (got {p.pp})")
     # megatron's own recompute options (full / method / num_layers / 'moe') are not exposed by our
     # recipe; of ours, the layernorm discard-output hook replays the pre-MLP norm from a hook on
     # MoELayer.forward, which the split schedule never calls (it calls route/dispatch/... itself)
