@@ -205,7 +205,7 @@ def test_lora_base_in_fp8_adapters_train(mcore):
     converted = [n for n, m in model.named_modules() if getattr(m, "fp8_recipe", None) == "tensorwise"]
     assert any(n.endswith("linear_qkv") for n in converted) and any(n.endswith("in_proj") for n in converted)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    losses = optimizer_steps(cfg, model, ddp, optimizer, scheduler, 2)
+    losses = optimizer_steps(cfg, model, ddp, optimizer, scheduler, 1)
     assert all(torch.isfinite(x) for x in losses)
     changed = {n for n, p in model.named_parameters() if not torch.equal(before[n], p)}
     assert changed and all(".lora_" in n for n in changed)
