@@ -59,6 +59,9 @@ def valid_data_config(data_cfg):
         return dataclasses.replace(d, path=d.valid_path)
     if d.name == "cord_v2":
         return dataclasses.replace(d, path=d.valid_path or d.path, split=d.valid_split)
+    if d.name == "energon":  # the prepared folder's held-out split (energon prepare's val part)
+        return dataclasses.replace(d, path=d.valid_path or d.path,
+                                   energon=dataclasses.replace(d.energon, split_part="val"))
     if d.name == "mock":  # samples are functions of (seed, index): another seed, other samples
         return dataclasses.replace(d, seed=d.seed + 1)
     raise ValueError(f"no validation data for data.name={d.name!r}")

@@ -215,3 +215,17 @@ def test_missing_or_unprepared_folder_is_one_line_naming_the_fix(tmp_path, tok_d
         "sample_type:\n  __module__: megatron.energon\n  __class__: ImageSample\nfield_map:\n  image: json\n")
     with pytest.raises(ValueError, match="holds energon ImageSample samples; data.name=energon reads CrudeSample"):
         EnergonDataset(model_cfg, _data("energon", folder, tok_dir), SEQ, tok)
+
+
+def test_validation_reads_the_folders_val_split(tmp_path, tok_dir, model_cfg, tok):
+    """train.eval_interval with data.name=energon evaluates on the prepared folder's val part."""
+    from multimodal.evaluation import valid_data_config
+
+    jsonl = _jsonl(tmp_path / "train.jsonl", write_synthetic_conversations(tmp_path, n=8))
+    folder = write_energon_dataset(jsonl, tmp_path / "energon", samples_per_shard=2,
+                                   split_parts=(("train", 0.5), ("val", 0.5)))
+    d = _data("energon", folder, tok_dir)
+    train = EnergonDataset(model_cfg, d, SEQ, tok)
+    valid = EnergonDataset(model_cfg, valid_data_config(d), SEQ, tok)
+    assert valid_data_config(d).energon.split_part == "val" and d.energon.split_part == "train"
+    assert len(train) > 0 and len(valid) > 0 and len(train) + len(valid) == 8
