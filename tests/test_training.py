@@ -91,7 +91,7 @@ def test_flat_adamw_checkpoint_resumes_without_it(tmp_path):
     AdamW paths differ in the last bits, so the resumed losses match to rounding, not exactly."""
     common = ["train.seq_length=256", "train.global_batch_size=1", "train.iters=12",
               "data.mock.max_image_side=64", "data.mock.max_text_tokens=48"]
-    full = _train(tmp_path / "full", *common, "optimizer.flat=false")
+    full = _train(tmp_path / "full", *common, "optimizer.flat=false", "checkpoint.dir=null")
     _train(tmp_path / "a", *common, "train.iters=6", "optimizer.decay_iters=12", "optimizer.flat=true",
            f"checkpoint.dir={tmp_path / 'ck'}")
     resumed = _train(tmp_path / "b", *common, "optimizer.flat=false", f"checkpoint.dir={tmp_path / 'ck'}",
