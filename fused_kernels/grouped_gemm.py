@@ -20,6 +20,8 @@ import logging
 
 import torch
 
+from core.devices import hopper_reason
+
 log = logging.getLogger(__name__)
 
 
@@ -44,10 +46,9 @@ def available(a: torch.Tensor, b: torch.Tensor) -> str | None:
     """None when torch's grouped GEMM takes these operands, else the reason."""
     if not hasattr(torch, "_grouped_mm"):
         return f"torch {torch.__version__} has no torch._grouped_mm (needs >= 2.8)"
-    if not a.is_cuda:
-        return "tensors are not on a CUDA device"
-    if torch.cuda.get_device_capability(a.device) < (9, 0):
-        return f"compute capability {torch.cuda.get_device_capability(a.device)} < (9, 0)"
+    unsupported = hopper_reason(a.device, "the grouped GEMM")
+    if unsupported:
+        return unsupported
     if a.dtype != torch.bfloat16 or b.dtype != torch.bfloat16:
         return f"dtypes {a.dtype} x {b.dtype}; the grouped GEMM runs bf16"
     return None

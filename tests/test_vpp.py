@@ -20,14 +20,15 @@ from pathlib import Path
 
 import pytest
 
+from test_parallel import _compare as compare_runs
 from test_parallel import _free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DENSE = "configs/qwen35_vl_proxy.yaml"
 STEPS = 3
 ROWS = [f"train.iters={STEPS}", "checkpoint.dir=null", "model.attention_backend=sdpa", "model.gdn_backend=torch",
-        "train.seq_length=256", "train.global_batch_size=2", "data.max_image_side=64", "data.max_text_tokens=48",
-        "data.pad_multiple=2", "logging.progress_bar=false", "logging.tensorboard=false"]
+        "train.seq_length=256", "train.global_batch_size=2", "data.mock.max_image_side=64", "data.mock.max_text_tokens=48",
+        "data.loader.pad_multiple=2", "logging.progress_bar=false", "logging.tensorboard=false"]
 DIST_OPT = "parallel.use_distributed_optimizer=true"
 LAYOUT = ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=2"]
 LOSS_TOL = 1e-5  # the logged (per-token mean) loss of a step
@@ -51,21 +52,8 @@ def _metrics(out: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
 
 
-def _compare(ref: dict, got: dict, what: str, world: int = 4) -> tuple[float, float]:
-    assert sorted(got) and set(got) <= set(ref), (what, sorted(got))
-    for s in got:
-        assert got[s]["supervised_tokens"] == ref[s]["supervised_tokens"], (what, s)
-        # tokens and FLOPs of a step from the rates: once per model replica, not once per chunk or rank
-        tokens = [r[s]["tokens_per_s"] * r[s]["step_time_s"] for r in (ref, got)]
-        flops = [ref[s]["tflops_per_gpu"] * ref[s]["step_time_s"], got[s]["tflops_per_gpu"] * got[s]["step_time_s"] * world]
-        assert tokens[1] == pytest.approx(tokens[0], rel=1e-6), (what, s, tokens)
-        assert flops[1] == pytest.approx(flops[0], rel=1e-6), (what, s, flops)
-    dloss = max(abs(got[s]["loss"] - ref[s]["loss"]) for s in got)
-    dgrad = max(abs(got[s]["grad_norm"] / ref[s]["grad_norm"] - 1) for s in got)
-    print(f"PARITY {what}: max |loss diff| {dloss:.3g}, max grad-norm rel diff {dgrad:.3g}")
-    assert dloss <= LOSS_TOL, (what, [(s, ref[s]["loss"], got[s]["loss"]) for s in got])
-    assert dgrad <= GRAD_NORM_RTOL, (what, [(s, ref[s]["grad_norm"], got[s]["grad_norm"]) for s in got])
-    return dloss, dgrad
+def _compare(ref: dict, got: dict, what: str, world: float = 4) -> tuple[float, float]:
+    return compare_runs(ref, got, what, world, LOSS_TOL, GRAD_NORM_RTOL, whole_run=False)
 
 
 @pytest.fixture(scope="module")

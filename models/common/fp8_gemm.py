@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from core.devices import hopper_reason
 from fused_kernels.grouped_gemm import grouped_mm_reference
 
 log = logging.getLogger(__name__)
@@ -146,12 +147,7 @@ def _fast_path_reason(device_type: str, index: int | None, grouped: bool) -> str
     name = "_scaled_grouped_mm" if grouped else "_scaled_mm"
     if not hasattr(torch, name):
         return f"torch {torch.__version__} has no torch.{name}"
-    if device_type != "cuda":
-        return f"tensors on {device_type}, FP8 GEMMs need CUDA"
-    cc = torch.cuda.get_device_capability(index)
-    if cc < (9, 0):
-        return f"compute capability {cc} < (9, 0) (FP8 tensor cores start at Hopper)"
-    return None
+    return hopper_reason(torch.device(device_type, index), "an FP8 GEMM")
 
 
 @functools.cache
