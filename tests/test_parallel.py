@@ -272,7 +272,7 @@ def test_pp2_moe_untied_matches_one_process(tmp_path, moe_ref):
 @pytest.mark.parametrize(
     "overrides, world, needle",
     [
-        (["parallel.pp=3"], 3, r"model.num_layers \(4\) must be divisible by parallel.pp \(3\)"),
+        (["parallel.pp=3"], 3, r"model.num_layers \(4\) must be divisible by parallel.pp x parallel.vpp \(3 x 1\)"),
         (["parallel.pp=2"], 3, r"not divisible by parallel.tp\*pp\*cp"),
         (["parallel.tp=4"], 4, r"linear_num_key_heads \(2\) must be divisible by parallel.tp\*cp"),
         (["parallel.ep=3", "train.global_batch_size=3"], 3, r"num_experts \(8\) must be divisible by parallel.ep \(3\)"),
