@@ -124,7 +124,7 @@ class ModelFamily:
     - ``packed_row_extras(cu_seqlens, device)`` -> {``models.common.packed_seq.PackedRowParams``
       field: value} built once per packed micro-batch from its host cu_seqlens (the padded ones
       when given) and handed to every layer (Qwen3.5: the GDN layers' chunk table,
-      ``gdn_varlen``); the default builds nothing.
+      ``mixer_varlen``); the default builds nothing.
     - ``prepare_host_batch(batch, m)``: host work on a loaded micro-batch that the prefetch thread
       does while the GPU runs earlier steps, so the training thread finds it done (Qwen3.5: the
       vision geometry of each image size, cached; on the training thread it leaves the GPU idle

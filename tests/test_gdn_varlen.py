@@ -42,7 +42,7 @@ def test_forward_step_hands_every_gdn_layer_one_precomputed_table():
     batch = pack_thd([ds[0], ds[1], ds[2]], 512, m.pad_token_id, m.image_token_id, m.vision.spatial_merge_size)
     extras = get_model_family(m.name).packed_row_extras  # Qwen3.5's: the GDN chunk table
     params = packed_seq_params(to_device(batch, torch.device("cpu"), torch.float32, row_extras=extras))
-    varlen = params.gdn_varlen
+    varlen = params.mixer_varlen
     assert varlen.cu_seqlens.dtype == torch.long
     assert torch.equal(varlen.cu_seqlens, batch["cu_seqlens_padded"].long())
     # the segments (three samples and the tail padding), chunk by chunk, counted here from their

@@ -29,12 +29,12 @@ def test_static_batch_pads_segments_and_the_familys_chunk_table(monkeypatch):
     monkeypatch.setattr(layer_hooks, "Qwen35GatedDeltaNet", torch.nn.Linear)
     cu = torch.tensor([0, 10, 300, 384], dtype=torch.int32)
     varlen = GDNVarlen.from_host(cu, "cpu")
-    params = PackedRowParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_q_padded=cu, gdn_varlen=varlen)
+    params = PackedRowParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_q_padded=cu, mixer_varlen=varlen)
     rope = torch.arange(3 * 384).reshape(3, 1, 384)
     static = layer_graphs.StaticBatch(384, 8, rope, "cpu", layers=[torch.nn.Sequential(gdn)])
     [rows] = static.extras
-    assert isinstance(rows, layer_hooks.GDNGraphRows) and static.params.gdn_varlen.chunk_indices is rows.chunks
-    assert static.params.gdn_varlen.cu_seqlens is static.cu64
+    assert isinstance(rows, layer_hooks.GDNGraphRows) and static.params.mixer_varlen.chunk_indices is rows.chunks
+    assert static.params.mixer_varlen.cu_seqlens is static.cu64
     assert static.refusal(params, rope) is None
     static.load(params, rope)
     assert static.cu32.tolist() == [0, 10, 300, 384] + [384] * 6  # empty segments up to 8, + 1 always empty
@@ -47,13 +47,13 @@ def test_static_batch_pads_segments_and_the_familys_chunk_table(monkeypatch):
     assert torch.equal(static.rope, rope)
     many = torch.arange(0, 385, 32, dtype=torch.int32)  # 12 samples > 8
     crowded = PackedRowParams(qkv_format="thd", cu_seqlens_q=many, cu_seqlens_q_padded=many,
-                              gdn_varlen=GDNVarlen.from_host(many, "cpu"))
+                              mixer_varlen=GDNVarlen.from_host(many, "cpu"))
     assert "cuda_graphs.max_samples=8" in static.refusal(crowded, rope)
     bare = PackedRowParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_q_padded=cu)
     assert "no GDN chunk table" in static.refusal(bare, rope)
     # layers without a GDN module: no family adds buffers, and a row without a chunk table fits
     plain = layer_graphs.StaticBatch(384, 8, rope, "cpu", layers=[torch.nn.Sequential(torch.nn.ReLU())])
-    assert plain.extras == [] and plain.params.gdn_varlen is None and plain.refusal(bare, rope) is None
+    assert plain.extras == [] and plain.params.mixer_varlen is None and plain.refusal(bare, rope) is None
 
 
 TINY = "tests/fixtures/tiny_dense_vl.yaml"  # no GDN layers: a family without graph_row_buffers
@@ -100,7 +100,7 @@ def _one_sample(batch):
     n = batch["tokens"].shape[-1]
     cu = torch.tensor([0, n], dtype=torch.int32)
     return dict(batch, cu_seqlens=cu, cu_seqlens_padded=cu, max_seqlen=n,
-                row_extras={"gdn_varlen": GDNVarlen.from_host(cu, "cpu")})
+                row_extras={"mixer_varlen": GDNVarlen.from_host(cu, "cpu")})
 
 
 def test_one_sample_rows_get_their_own_graphs(mcore, monkeypatch):

@@ -89,7 +89,7 @@ def test_packed_row_extras_are_the_familys():
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
     assert get_model_family("tiny_dense_vl").packed_row_extras(cu, torch.device("cpu")) == {}
     extras = get_model_family("qwen35_vl").packed_row_extras(cu, torch.device("cpu"))
-    assert set(extras) == {"gdn_varlen"} and torch.equal(extras["gdn_varlen"].cu_seqlens, cu.long())
+    assert set(extras) == {"mixer_varlen"} and torch.equal(extras["mixer_varlen"].cu_seqlens, cu.long())
 
 
 def test_registering_the_families_imports_no_torch():

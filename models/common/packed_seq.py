@@ -19,11 +19,11 @@ from megatron.core.packed_seq_params import PackedSeqParams
 @dataclass
 class PackedRowParams(PackedSeqParams):
     """megatron's PackedSeqParams plus per-micro-batch metadata built once on the host, so that no
-    layer rebuilds it on the device (nor syncs to do so): the GDN layers' varlen table for fla
-    (``fused_kernels.gated_delta_rule.GDNVarlen``, from the family's ``packed_row_extras``; None: the
-    layers derive it themselves) and the loss tokens for the sparse LM head."""
+    layer rebuilds it on the device (nor syncs to do so): the family's sequence mixers' varlen
+    metadata (``mixer_varlen``, from the family's ``packed_row_extras``; Qwen3.5: the GDN chunk table;
+    None: the layers derive it themselves) and the loss tokens for the sparse LM head."""
 
-    gdn_varlen: object | None = None
+    mixer_varlen: object | None = None
     # flat indices (s * B + b over this rank's [S, B] tokens) of the tokens with a nonzero loss
     # mask, for model.sparse_lm_head; None: the LM head runs on every token
     loss_token_index: torch.Tensor | None = None

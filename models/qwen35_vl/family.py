@@ -39,7 +39,7 @@ def _packed_row_extras(cu_seqlens, device) -> dict:
     """The GDN layers' varlen chunk table, built once per packed micro-batch on the host."""
     from fused_kernels.gated_delta_rule import GDNVarlen
 
-    return {"gdn_varlen": GDNVarlen.from_host(cu_seqlens, device)}
+    return {"mixer_varlen": GDNVarlen.from_host(cu_seqlens, device)}
 
 
 def _prepare_host_batch(batch: dict, m) -> None:

@@ -41,7 +41,7 @@ class Qwen35GatedDeltaNet(GatedDeltaNet):
         cu_seqlens, varlen = None, None
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             cu_seqlens = segment_boundaries(packed_seq_params)
-            varlen = getattr(packed_seq_params, "gdn_varlen", None)  # built once per micro-batch (packed_row_extras)
+            varlen = getattr(packed_seq_params, "mixer_varlen", None)  # built once per micro-batch (packed_row_extras)
 
         proj, _ = self.in_proj(hidden_states)  # [S, B, D_local] (S gathered under SP)
         cp = cp_info(packed_seq_params)

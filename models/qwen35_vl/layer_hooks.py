@@ -34,10 +34,10 @@ class GDNGraphRows(GraphRowBuffers):
 
             self.qla = StaticPlan(cu_seqlens, self.chunks, seq, flash_qla_heads, one_segment)
         plan = None if self.qla is None else self.qla.plan
-        super().__init__({"gdn_varlen": GDNVarlen(cu_seqlens, self.chunks, plan, qla_heads=flash_qla_heads)})
+        super().__init__({"mixer_varlen": GDNVarlen(cu_seqlens, self.chunks, plan, qla_heads=flash_qla_heads)})
 
     def refusal(self, params) -> str | None:
-        varlen = params.gdn_varlen
+        varlen = params.mixer_varlen
         if varlen is None:
             return "no GDN chunk table (the model family's packed_row_extras builds one for packed rows)"
         if varlen.chunk_indices.shape[0] > self.chunks.shape[0]:
@@ -45,7 +45,7 @@ class GDNGraphRows(GraphRowBuffers):
         return None
 
     def load(self, params) -> None:
-        chunks = params.gdn_varlen.chunk_indices
+        chunks = params.mixer_varlen.chunk_indices
         self.chunks[: chunks.shape[0]].copy_(chunks, non_blocking=True)
         self.chunks[chunks.shape[0]:, 0].fill_(self.max_samples)  # the empty segment: masked out
         self.chunks[chunks.shape[0]:, 1].fill_(0)

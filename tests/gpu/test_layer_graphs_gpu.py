@@ -49,11 +49,11 @@ def check_padded_gdn() -> dict:
     real = GDNVarlen.from_host(cu, "cuda")
     static = StaticBatch(T, 16, torch.zeros(3, 1, T, dtype=torch.long, device="cuda"), "cuda")
     rows = GDNGraphRows(static.cu64, T, 16, one_segment=False)  # what Qwen3.5's graph_row_buffers makes
-    params = PackedRowParams(qkv_format="thd", cu_seqlens_q=cu.cuda(), cu_seqlens_q_padded=cu.cuda(), gdn_varlen=real)
+    params = PackedRowParams(qkv_format="thd", cu_seqlens_q=cu.cuda(), cu_seqlens_q_padded=cu.cuda(), mixer_varlen=real)
     static.load(params, static.rope)
     rows.load(params)
     results = []
-    for varlen, cu_dev in ((real, cu.cuda()), (rows.fields["gdn_varlen"], static.cu32)):
+    for varlen, cu_dev in ((real, cu.cuda()), (rows.fields["mixer_varlen"], static.cu32)):
         out = chunk_gated_delta_rule(*tensors, cu_dev, "fla", varlen)
         results.append((out, *torch.autograd.grad(out, tensors, cot)))
     same = all(torch.equal(a, b) for a, b in zip(*results))
