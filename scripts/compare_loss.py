@@ -64,7 +64,7 @@ def plot(a: dict[int, float], b: dict[int, float], labels: list[str], result: di
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt  # noqa: PLC0415
     except ImportError:
-        raise SystemExit("compare_loss: --png needs matplotlib (pip install matplotlib)") from None
+        raise SystemExit('compare_loss: --png needs matplotlib (pip install -e ".[plot]")') from None
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for curve, label in ((a, labels[0]), (b, labels[1])):
         ax.plot(sorted(curve), [curve[s] for s in sorted(curve)], label=label, linewidth=1)
