@@ -674,9 +674,12 @@ def resolve_sources(cfg: Config) -> Config:
         family = get_model_family(cfg.model.name)
         _require(family.hf_adapter is not None, f"model.hf_config: model.name={cfg.model.name} has no Hugging "
                  "Face config reader; set model.hf_config=null and give the architecture in the recipe")
+        mtp_unset = hasattr(cfg.model, "mtp_num_layers") and "model.mtp_num_layers" not in getattr(cfg, "given", ())
+        if mtp_unset:  # None in the base: model_config_from_hf reads the checkpoint's depth
+            cfg.model.mtp_num_layers = None
         cfg.model = get_hf_adapter(family).model_config_from_hf(cfg.model.hf_config, base=cfg.model)
-        if hasattr(cfg.model, "mtp_num_layers") and "model.mtp_num_layers" not in getattr(cfg, "given", ()):
-            _mtp_as_the_checkpoint(cfg, get_hf_adapter(family))
+        if mtp_unset:
+            _mtp_within_layout(cfg)
     if cfg.data.tokenizer:
         from data.chat import special_token_ids
         from data.registry import load_tokenizer
@@ -687,12 +690,11 @@ def resolve_sources(cfg: Config) -> Config:
     return cfg
 
 
-def _mtp_as_the_checkpoint(cfg: Config, adapter) -> None:
+def _mtp_within_layout(cfg: Config) -> None:
     """model.mtp_num_layers left unset follows the checkpoint's MTP depth (the released ones have
     one), so a fine-tune keeps training the head that speculative decoding uses; where the layout
     cannot run it, it stays 0 and the export copies the untrained head through unchanged."""
-    depth = getattr(adapter.model_config_from_hf(cfg.model.hf_config), "mtp_num_layers", 0) or 0
-    p = cfg.parallel
+    p, depth = cfg.parallel, cfg.model.mtp_num_layers or 0
     conflict = "parallel.pp > 1" if p.pp > 1 else "parallel.moe_a2a_overlap=true" if p.moe_a2a_overlap else None
     if depth and conflict:
         log.info("model.mtp_num_layers=0: the checkpoint's MTP head (%d layer(s)) does not train under %s; an "
