@@ -249,8 +249,8 @@ def save(ckpt_dir: str, iteration: int, model, optimizer, scheduler, data_state:
     # the newest checkpoint marked so
     t0 = time.perf_counter()
     trainer = {"iteration": iteration, "scheduler": scheduler.state_dict(), "world_size": dist.get_world_size(),
-               "finite": True, "distributed_optimizer_layout": _optimizer_layout(optimizer), **_data_parallel_map(),
-               **_data_frontier(data_state), **(extra or {})}
+               "finite": True, "distributed_optimizer_layout": _optimizer_layout(optimizer),
+               **_data_parallel_map(data_state), **(extra or {})}
     sharded = _sharded_state(as_one_module(model), optimizer, is_loading=False)
     t1 = time.perf_counter()
     final = _write(Path(ckpt_dir), iteration, sharded, trainer, meta_files, {"rng": _rng_state(), "data": data_state},
@@ -288,28 +288,27 @@ def _check_optimizer_layout(path: Path, trainer: dict, optimizer) -> None:
             "parallel.use_distributed_optimizer=true (checkpoints of the plain optimizer load under any layout)")
 
 
-def _data_parallel_map() -> dict:
-    """The data-parallel size and each global rank's data-parallel rank (one small all-gather at
-    save time): a resume under another TP / PP / CP layout with the same data-parallel size finds
-    in them the rank file that holds its data position."""
+def _data_parallel_map(data_state: dict | None) -> dict:
+    """What a resume under another layout needs, in one small all-gather at save time:
+    - the data-parallel size and each global rank's data-parallel rank: a resume under another
+      TP / PP / CP layout with the same data-parallel size finds in them the rank file that holds
+      its data position;
+    - the smallest sample index any rank has not consumed yet (read-ahead samples count as unread)
+      and the largest next index: a resume at another data-parallel size continues the data order
+      from the first, re-reading at most the samples between the two instead of restarting at 0."""
     if not ps.model_parallel_is_initialized():
         return {}
-    ranks = [None] * dist.get_world_size()
-    dist.all_gather_object(ranks, ps.get_data_parallel_rank())
-    return {"data_parallel_size": ps.get_data_parallel_world_size(), "data_parallel_ranks": ranks}
-
-
-def _data_frontier(data_state: dict | None) -> dict:
-    """The smallest sample index any data-parallel rank has not consumed yet (read-ahead samples
-    count as unread) and the largest next index (one small all-gather at save time): a resume at
-    another data-parallel size continues the data order from the first, re-reading at most the
-    samples between the two instead of restarting from sample 0."""
-    if not dist.is_initialized() or not data_state or "next_index" not in data_state:
-        return {}
-    own = [int(data_state["next_index"]), min([int(data_state["next_index"]), *map(int, data_state.get("pending", []))])]
+    position = None
+    if data_state and "next_index" in data_state:
+        nxt = int(data_state["next_index"])
+        position = (nxt, min([nxt, *map(int, data_state.get("pending", []))]))
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, own)
-    return {"data_frontier": min(u for _, u in every), "data_next_max": max(n for n, _ in every)}
+    dist.all_gather_object(every, (ps.get_data_parallel_rank(), position))
+    out = {"data_parallel_size": ps.get_data_parallel_world_size(), "data_parallel_ranks": [r for r, _ in every]}
+    positions = [pos for _, pos in every if pos is not None]
+    if positions:
+        out.update(data_frontier=min(u for _, u in positions), data_next_max=max(n for n, _ in positions))
+    return out
 
 
 def _rank_file_for(path: Path, trainer: dict) -> tuple[Path | None, bool]:
