@@ -6,9 +6,11 @@ reading the values back no longer stalls the device.
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
+import psutil
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
@@ -130,6 +132,10 @@ def emit(p: PendingLog, peak, sink: MetricsSink, result, guard: NonFiniteGuard |
     }
     if totals[-1] > 0:  # model.mtp_num_layers: the mean MTP loss over its shifted supervised tokens
         metrics["mtp_loss"] = totals[-2] / totals[-1]
+    if not result.losses:  # this process's first row: how long from its start until that step was done
+        metrics["startup_s"] = round(time.time() - psutil.Process().create_time(), 1)
+        log.info("step %d done %.1f s after the process started (model build, kernel compilation and "
+                 "graph capture included)", p.it, metrics["startup_s"])
     metrics.update({k: v for k, v in p.host.items() if k.startswith(("cuda_graph", "rows_", "val_", "data_"))})
     error = None
     if guard is not None:

@@ -95,6 +95,8 @@ def run_ours(cfg, warmup: int, steps: int) -> dict:
         # share of the timed log windows in which some micro-batch ran eager layers instead of graphs
         "eager_step_share": eager_step_share(rows, warmup),
         "graph_capture_s": rows[-1].get("cuda_graph_capture_s"),
+        # process start to the first logged step done (compilation and capture included)
+        "startup_s": rows[0].get("startup_s"),
         # seconds per timed step the trainer waited for the loader (the prefetch thread fell behind)
         "data_wait_s_per_step": data_wait_per_step(rows, warmup, steps),
     }

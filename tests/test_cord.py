@@ -394,6 +394,10 @@ def test_training_runs_on_cord_format_data(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(x) for x in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(0 < r["loss"] < 20 for r in rows)
+    # the process's first row says how long it took to get there (imports and model build are
+    # seconds even here); later rows do not repeat it
+    assert 1.0 < rows[0]["startup_s"] < 600 and "startup_s" not in rows[1]
+    assert f"step 1 done {rows[0]['startup_s']:.1f} s after the process started" in proc.stdout + proc.stderr
 
 
 def test_inspect_json_shows_exactly_the_supervised_answer(cord, tok, tmp_path, capsys):
