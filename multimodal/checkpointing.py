@@ -19,10 +19,12 @@ the checkpoint's before megatron reads any of it. Rank files load with ``weights
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import os
+import queue
 import random
 import shutil
 import time
@@ -127,6 +129,23 @@ def _save_strategy():
     return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=writer_threads())
 
 
+@contextlib.contextmanager
+def _in_process_write_results():
+    """megatron's file writer reports its results through a module-level multiprocessing Manager
+    queue that it starts with "spawn" at the first save: a process that imports the main script
+    again (torch and megatron, seconds) before it answers. A synchronous save writes in this
+    process, so a plain queue serves it; megatron's own stays for an asynchronous save's writer
+    process (multimodal/async_saves.py starts it early)."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+
+    held = fa._results_queue
+    fa._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        fa._results_queue = held
+
+
 def _with_checksums(request, tmp: Path, rank: int, name: str):
     """The async write, followed by the crc32 of this rank's files and one line with the write's
     rate, all in megatron's writer process: nothing of it waits in the training process."""
@@ -169,7 +188,7 @@ def _write(root: Path, iteration: int, sharded: dict, trainer: dict, meta_files:
         dist.barrier()
         if saves is not None:
             saves.ready()
-        with writer_errors:
+        with writer_errors, (_in_process_write_results() if saves is None else contextlib.nullcontext()):
             # "mcore": megatron's own writer process (its default, "nvrx", needs nvidia-resiliency-ext)
             request = dist_checkpointing.save(sharded, str(tmp), sharded_strategy=_save_strategy(),
                                               async_sharded_save=saves is not None, async_strategy="mcore")
