@@ -78,6 +78,10 @@ SPLIT_SIZES_TO_CPU = Internal("megatron.core.transformer.moe.token_dispatcher", 
 SETUP_EMBEDDINGS = Internal("megatron.core.models.common.language_module.language_module",
                             "LanguageModule.setup_embeddings_and_output_layer", _PLATFORM)
 BUILD_PARAM_GROUPS = Internal(_DIST_OPT, "DistributedOptimizer._build_model_and_main_param_groups", _PLATFORM)
+# the all-gather / reduce-scatter of a variable number of rows per rank (the MoE dispatcher's expert TP)
+GATHER_FIRST_DIM = Internal("megatron.core.tensor_parallel.mappings", "_gather_along_first_dim", _PLATFORM)
+REDUCE_SCATTER_FIRST_DIM = Internal("megatron.core.tensor_parallel.mappings", "_reduce_scatter_along_first_dim",
+                                    _PLATFORM)
 RNG_TRACKER = Internal(_RANDOM, "_CUDA_RNG_STATE_TRACKER", _PLATFORM)
 RNG_TRACKER_INITIALIZED = Internal(_RANDOM, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", _PLATFORM)
 INIT_RNG_TRACKER = Internal(_RANDOM, "initialize_rng_tracker", _PLATFORM)

@@ -12,6 +12,9 @@ Patched on CPU only (each one is listed in ``CPU_PATCHES`` so tests can assert t
   grad buffers, MoE, dist-checkpointing) see a ``torch`` whose factories turn
   ``device='cuda'`` into CPU; ``clip_grad_by_total_norm_fp32`` (which asserts CUDA
   gradients) gets a CPU twin; the MoE all-to-all split sizes become numpy as on a GPU.
+- ``megatron.core.tensor_parallel.mappings``' all-gather and reduce-scatter along the first
+  dimension: with a row count per rank (the MoE dispatcher over expert TP with EP > 1) NCCL
+  takes tensors of different sizes, gloo does not; the rows are padded to the largest count.
 - ``megatron.core.tensor_parallel.random`` CUDA RNG tracker: replaced by one that forks
   the CPU generator, so model-parallel seeding keeps its meaning on CPU.
 - pipeline parallelism: ``LanguageModule.setup_embeddings_and_output_layer`` moves the tied
@@ -116,6 +119,10 @@ def apply_cpu_patches() -> None:
     CPU_PATCHES.append(compat.CLIP_BY_TOTAL_NORM.name)
     compat.replace(compat.SPLIT_SIZES_TO_CPU, _split_sizes_to_host)
     CPU_PATCHES.append(compat.SPLIT_SIZES_TO_CPU.name)
+    for internal, fn in ((compat.GATHER_FIRST_DIM, _gather_rows_padded),
+                         (compat.REDUCE_SCATTER_FIRST_DIM, _reduce_scatter_rows_padded)):
+        compat.replace(internal, fn(compat.get(internal)))
+        CPU_PATCHES.append(f"{internal.name} (per-rank row counts padded: gloo needs equal shapes)")
     compat.replace(compat.SETUP_EMBEDDINGS, _with_tensor_cuda_as_identity(compat.get(compat.SETUP_EMBEDDINGS)))
     CPU_PATCHES.append(f"{compat.SETUP_EMBEDDINGS.name} (Tensor.cuda -> identity)")
     build_groups = compat.get(compat.BUILD_PARAM_GROUPS).__func__
@@ -241,6 +248,46 @@ def _split_sizes_to_host(tensor, as_numpy: bool = False, record_stream: bool = F
     if torch.is_tensor(tensor) and as_numpy:
         return tensor.detach().cpu().numpy()
     return tensor.cpu() if torch.is_tensor(tensor) else tensor
+
+
+def _gather_rows_padded(gather):
+    """megatron's all-gather along the first dimension. With ``output_split_sizes`` (a row count per
+    rank: megatron's all-to-all dispatcher gathers the tokens routed to this rank's experts over
+    expert TP) NCCL gathers tensors of different sizes and gloo refuses them, so each rank's rows
+    are padded to the largest count, gathered, and the padding dropped."""
+
+    def wrapped(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        most = max(output_split_sizes)
+        padded = input_.new_zeros((most, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        out = input_.new_empty((most * group.size(), *input_.shape[1:]))
+        dist.all_gather_into_tensor(out, padded, group=group)
+        return torch.cat([out[i * most : i * most + n] for i, n in enumerate(output_split_sizes)])
+
+    wrapped.__wrapped__ = gather
+    return wrapped
+
+
+def _reduce_scatter_rows_padded(reduce_scatter):
+    """megatron's reduce-scatter along the first dimension; with ``input_split_sizes`` (rank i gets
+    the sum of everyone's i-th slice, of its own row count: the dispatcher's expert-TP combine) every
+    slice is padded to the largest count for gloo, which reduce-scatters equal shapes only."""
+
+    def wrapped(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        most = max(input_split_sizes)
+        padded = input_.new_zeros((most * group.size(), *input_.shape[1:]))
+        for i, rows in enumerate(torch.split(input_, list(input_split_sizes), dim=0)):
+            padded[i * most : i * most + rows.shape[0]] = rows
+        out = input_.new_empty((most, *input_.shape[1:]))
+        dist.reduce_scatter_tensor(out, padded, group=group)
+        return out[: input_split_sizes[group.rank()]]
+
+    wrapped.__wrapped__ = reduce_scatter
+    return wrapped
 
 
 def _clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):

@@ -1,112 +1,12 @@
-"""Interleaved (virtual) pipeline parallelism against one process (CPU, gloo, fp32).
+"""Interleaved (virtual) pipeline parallelism: the layer split and the layout rules.
 
-One 4-process launch (tests/helpers/mp_vpp.py) trains the dense proxy (4 layers: one per model
-chunk) with the Trainer under PP=2 x VPP=2 x TP=2 on packed THD rows (several samples per row, so
-every chunk must cut attention and the GDN scan at the right ``cu_seqlens``): once with the
-distributed optimizer, once with megatron's plain one saving a checkpoint at step 2. In this
-process the Trainer trains the one-process model (megatron's no-pipelining schedule) and resumes
-the PP=2 x VPP=2 checkpoint under PP=1. Every run starts from its own layout-independent init of
-the same seed; the losses, gradient norms, supervised tokens and the step's tokens and FLOPs
-(counted once per model replica) must agree.
+Training under PP=2 x VPP=2 x TP=2 x DP=2 against one process, its resume at PP=1 and the refusal
+of a distributed-optimizer checkpoint under another layout: tests/test_parallel_8rank.py.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-
-from test_parallel import _compare as compare_runs
-from test_parallel import _free_port
-
-ROOT = Path(__file__).resolve().parents[1]
-DENSE = "configs/qwen35_vl_proxy.yaml"
-STEPS = 3
-ROWS = [f"train.iters={STEPS}", "checkpoint.dir=null", "model.attention_backend=sdpa", "model.gdn_backend=torch",
-        "train.seq_length=256", "train.global_batch_size=2", "data.mock.max_image_side=64", "data.mock.max_text_tokens=48",
-        "data.loader.pad_multiple=2", "logging.progress_bar=false", "logging.tensorboard=false"]
-DIST_OPT = "parallel.use_distributed_optimizer=true"
-LAYOUT = ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=2"]
-LOSS_TOL = 1e-5  # the logged (per-token mean) loss of a step
-# TP=2 sums in another order; Adam carries the last-bit differences into the next steps' grads
-GRAD_NORM_RTOL = 2e-5
-
-
-def _launch(tmp: Path, runs: list[dict], nproc: int) -> None:
-    spec = tmp / "runs.json"
-    spec.write_text(json.dumps(runs))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-                           f"--master-port={_free_port()}", "tests/helpers/mp_vpp.py", str(spec)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-
-
-def _metrics(out: Path) -> dict[int, dict]:
-    return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
-
-
-def _compare(ref: dict, got: dict, what: str, world: float = 4) -> tuple[float, float]:
-    return compare_runs(ref, got, what, world, LOSS_TOL, GRAD_NORM_RTOL, whole_run=False)
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, mcore):
-    from tests.helpers.mp_vpp import train_in_process
-
-    tmp = tmp_path_factory.mktemp("vpp")
-    dist, plain = tmp / "dist", tmp / "plain"
-    _launch(tmp, [dict(config=DENSE, overrides=[*ROWS, *LAYOUT, DIST_OPT, f"logging.dir={dist}",
-                                                f"checkpoint.dir={dist / 'ckpt'}", "checkpoint.interval=2"]),
-                  dict(config=DENSE, overrides=[*ROWS, *LAYOUT, f"logging.dir={plain}",
-                                                f"checkpoint.dir={plain / 'ckpt'}", "checkpoint.interval=2"])], nproc=4)
-    train_in_process(DENSE, [*ROWS, DIST_OPT, f"logging.dir={tmp / 'ref'}"])
-    train_in_process(DENSE, [*ROWS, f"logging.dir={tmp / 'resumed'}",
-                             f"checkpoint.load={plain / 'ckpt' / 'iter_0000002'}"])
-    return {**{k: _metrics(tmp / k) for k in ("ref", "dist", "plain", "resumed")}, "tmp": tmp}
-
-
-@pytest.mark.slow
-def test_pp2_vpp2_tp2_trains_like_one_process(runs):
-    """PP=2 x VPP=2 x TP=2 (interleaved schedule) with the distributed optimizer and with the plain
-    one logs the one-process losses, gradient norms, tokens and FLOPs step by step, and trains."""
-    ref = runs["ref"]
-    assert sorted(ref) == list(range(1, STEPS + 1))
-    _compare(ref, runs["dist"], "pp=2 vpp=2 tp=2 + distributed optimizer")
-    _compare(ref, runs["plain"], "pp=2 vpp=2 tp=2")
-    assert runs["dist"][STEPS]["loss"] < runs["dist"][1]["loss"]
-
-
-@pytest.mark.slow
-def test_pp2_vpp2_checkpoint_resumes_under_pp1(runs):
-    """A checkpoint saved at step 2 under PP=2 x VPP=2 x TP=2 (plain optimizer: its per-parameter
-    state is stored under global keys, megatron's distributed optimizer's buckets are not) loads under
-    PP=1 x TP=1, and the later steps log the losses the PP=2 x VPP=2 run logged."""
-    resumed, plain = runs["resumed"], runs["plain"]
-    assert sorted(resumed) == list(range(3, STEPS + 1))
-    _compare(plain, resumed, "pp=2 vpp=2 tp=2 checkpoint resumed at pp=1", world=1 / 4)
-
-
-@pytest.mark.slow
-def test_distributed_optimizer_checkpoint_under_another_layout_is_refused_in_one_line(runs):
-    """The distributed optimizer's state is stored per gradient bucket of the layout it ran under:
-    loading it under PP=1 stops before any tensor is read, naming both layouts and the fix."""
-    from core.errors import CheckpointError
-    from tests.helpers.mp_vpp import train_in_process
-
-    tmp = runs["tmp"]
-    with pytest.raises(CheckpointError) as err:
-        train_in_process(DENSE, [*ROWS, DIST_OPT, f"logging.dir={tmp / 'refused'}",
-                                 f"checkpoint.load={tmp / 'dist' / 'ckpt' / 'iter_0000002'}"])
-    msg = str(err.value)
-    assert "tp=2 pp=2 vpp=2 ep=1" in msg and "this run is tp=1 pp=1 vpp=1 ep=1" in msg and "\n" not in msg, msg
-
 
 
 @pytest.mark.parametrize("num_layers,pp,vpp,first,last", [
