@@ -229,3 +229,26 @@ def test_validation_reads_the_folders_val_split(tmp_path, tok_dir, model_cfg, to
     valid = EnergonDataset(model_cfg, valid_data_config(d), SEQ, tok)
     assert valid_data_config(d).energon.split_part == "val" and d.energon.split_part == "train"
     assert len(train) > 0 and len(valid) > 0 and len(train) + len(valid) == 8
+
+
+def test_proxy_trains_on_an_energon_folder_and_resumes_bit_exact_mid_pass(tmp_path, tok_dir):
+    """The trainer end to end: the proxy recipe on an energon folder, 4 steps with a checkpoint at
+    step 2, then a fresh run from that checkpoint: steps 3-4 give the uninterrupted run's losses
+    bit for bit, with the loader stopped inside its first pass over the set."""
+    from multimodal.config import load_config
+    from multimodal.training import train
+
+    jsonl = _jsonl(tmp_path / "train.jsonl", write_synthetic_conversations(tmp_path, n=48))
+    folder = write_energon_dataset(jsonl, tmp_path / "energon", samples_per_shard=10)
+    common = ["data.name=energon", f"data.path={folder}", f"data.tokenizer={tok_dir}", "train.iters=4",
+              "train.seq_length=256", "data.min_pixels=1024", "data.max_pixels=16384",
+              "logging.progress_bar=false", "logging.tensorboard=false", "train.cuda_graphs=false"]
+    full = train(load_config("configs/qwen35_vl_proxy_cord.yaml", [
+        *common, f"checkpoint.dir={tmp_path / 'ck'}", "checkpoint.interval=2", f"logging.dir={tmp_path / 'full'}"]))
+    state = json.loads((tmp_path / "ck" / "iter_0000002" / "trainer_state.json").read_text())
+    resumed = train(load_config("configs/qwen35_vl_proxy_cord.yaml", [
+        *common, f"checkpoint.load={tmp_path / 'ck' / 'iter_0000002'}", f"checkpoint.dir={tmp_path / 'ck2'}",
+        f"logging.dir={tmp_path / 'resumed'}"]))
+    assert sorted(full.losses) == [1, 2, 3, 4] and sorted(resumed.losses) == [3, 4]
+    assert all(resumed.losses[s] == full.losses[s] for s in (3, 4)), (full.losses, resumed.losses)
+    assert 0 < state["data_next_max"] < 48, state  # the stop fell inside the first pass over the set
