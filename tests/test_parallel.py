@@ -239,13 +239,8 @@ def test_ep2_flat_adamw_matches_one_process(tmp_path, moe_ref):
     _compare(moe_ref, got, "ep2 + flat AdamW")
 
 
-@pytest.mark.slow
-def test_ep2_distributed_optimizer_matches_one_process(tmp_path, moe_ref):
-    """The grouped experts' stacked weights in megatron's distributed optimizer: dense parameters
-    sharded over DP = 2, expert parameters in the expert-parallel buffers (expert DP = 1)."""
-    got = _run(tmp_path, MOE, *ONE_PER_ROW, "parallel.ep=2",
-               "parallel.use_distributed_optimizer=true", nproc=2)
-    _compare(moe_ref, got, "ep2 + distributed optimizer")
+# EP=2 with the distributed optimizer, and PP=2 on the MoE proxy (untied embeddings): inside the 8-rank
+# layouts of tests/test_parallel_8rank.py
 
 
 @pytest.mark.slow
@@ -257,13 +252,6 @@ def test_tp2_moe_expert_tensor_parallel_matches_one_process(tmp_path, moe_ref):
     got = _run(tmp_path, MOE, *ONE_PER_ROW, "parallel.tp=2",
                "parallel.sequence_parallel=true", nproc=2)
     _compare(moe_ref, got, "tp2+sp (MoE, expert TP 2)")
-
-
-@pytest.mark.slow
-def test_pp2_moe_untied_matches_one_process(tmp_path, moe_ref):
-    """MoE layers (and their aux loss) on both stages, untied embedding and output layer."""
-    got = _run(tmp_path, MOE, *ONE_PER_ROW, "parallel.pp=2", nproc=2)
-    _compare(moe_ref, got, "pp2 (MoE, untied)")
 
 
 # ---------------------------------------------------------------- start-up checks (fast)

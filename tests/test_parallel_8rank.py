@@ -49,7 +49,8 @@ MOE_ROWS = [*COMMON, f"train.seq_length={ONE_PER_ROW}"]
 DIST_OPT = "parallel.use_distributed_optimizer=true"
 WORLD = 8
 LAYOUTS = {
-    "pp2_vpp2_tp2_dp2": (DENSE, ["parallel.pp=2", "parallel.vpp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "pp2_vpp2_tp2_dp2": (DENSE, ["parallel.pp=2", "parallel.vpp=2", "parallel.tp=2",
+                                 "parallel.sequence_parallel=true"]),
     "pp2_cp2_ep2": (MOE, ["parallel.pp=2", "parallel.cp=2", "parallel.ep=2"]),
     "tp2_ep2_etp2": (MOE, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"]),
 }
@@ -91,8 +92,8 @@ def runs(tmp_path_factory, mcore):
     launch = [dict(config=config, overrides=[*_rows(config), *layout, DIST_OPT, f"logging.dir={tmp / name}"])
               for name, (config, layout) in LAYOUTS.items()]
     launch[0]["overrides"] += [*ckpt, f"checkpoint.dir={tmp / 'dense_ckpt'}"]
-    launch.append(dict(config=DENSE, overrides=[*DENSE_ROWS, *LAYOUTS["pp2_vpp2_tp2_dp2"][1], *ckpt,
-                                                f"logging.dir={tmp / 'plain'}", f"checkpoint.dir={tmp / 'plain_ckpt'}"]))
+    plain = [*DENSE_ROWS, *LAYOUTS["pp2_vpp2_tp2_dp2"][1], *ckpt, f"checkpoint.dir={tmp / 'plain_ckpt'}"]
+    launch.append(dict(config=DENSE, overrides=[*plain, f"logging.dir={tmp / 'plain'}"]))
     _launch(tmp, launch, nproc=WORLD)
     for name, config in (("dense_ref", DENSE), ("moe_ref", MOE)):
         train_in_process(config, [*_rows(config), DIST_OPT, f"logging.dir={tmp / name}"])
@@ -127,9 +128,9 @@ def test_pp2_vpp2_tp2_dp2_trains_like_one_process(runs):
 
 @pytest.mark.slow
 def test_pp2_cp2_ep2_moe_trains_like_one_process(runs):
-    """MoE proxy: MoE layers on both pipeline stages, every sample cut into 2·CP zigzag chunks, the
-    experts split over two of the DP x CP ranks, dense and expert parameters in the distributed
-    optimizer's two sets of buffers."""
+    """MoE proxy: MoE layers (and their aux loss) on both pipeline stages, untied embedding and
+    output layer, every sample cut into 2·CP zigzag chunks, the experts split over two of the DP x CP
+    ranks, dense and expert parameters in the distributed optimizer's two sets of buffers."""
     _compare(runs["moe_ref"], runs["pp2_cp2_ep2"], "pp=2 cp=2 ep=2 (MoE) + distributed optimizer")
 
 
