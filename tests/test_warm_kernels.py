@@ -190,3 +190,36 @@ assert errors == [None] * len(calls), errors
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("warm, expect", [(None, "--ntasks-per-node=1"), ("first", "--nodes=1 --ntasks=1"), ("0", None)])
+def test_sbatch_warms_the_kernels_before_training(tmp_path, warm, expect):
+    """train.sbatch with stand-ins for scontrol, srun and python: the warm-up runs once per node (or
+    on the first node, or not at all) before the torchrun of training, with the recipe and overrides."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/bash\nprintf 'gpu-a\\ngpu-b\\n'\n")
+    # srun: log its own options, then run the command
+    (bin_dir / "srun").write_text(f'#!/bin/bash\nopts=()\nwhile [[ "$1" == --* ]]; do opts+=("$1"); shift; done\n'
+                                  f'echo "srun ${{opts[*]}}" >> {tmp_path}/calls\nSLURM_NODEID=0 exec "$@"\n')
+    (bin_dir / "python").write_text(f'#!/bin/bash\necho "python $*" >> {tmp_path}/calls\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update({"PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": str(bin_dir / "python"), "SLURM_SUBMIT_DIR": str(ROOT),
+                "SLURM_JOB_ID": "9", "SLURM_JOB_NAME": "j", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu-[a-b]",
+                "DRY_RUN": "0", "RUN_ROOT": str(tmp_path / "runs")})
+    if warm is not None:
+        env["WARM_KERNELS"] = warm
+    proc = subprocess.run(["bash", "scripts/slurm/qwen35_vl_35b_a3b.sbatch", "train.iters=5"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert "torch.distributed.run" in calls[-1]
+    if expect is None:
+        assert len(calls) == 2 and "multimodal.warm_kernels" not in "".join(calls)
+        return
+    srun, warm_call = calls[0], calls[1]
+    assert srun.startswith(f"srun {expect} ") and "warm_kernels_node%n.log" in srun
+    assert warm_call.startswith("python -m multimodal.warm_kernels --config configs/qwen35_vl_35b_a3b.yaml train.iters=5")
+    assert "logging.dir=" in warm_call
