@@ -56,7 +56,9 @@ from core.errors import ConfigError, TrainingError, one_line
 FAMILIES = ("flash_qla", "fla", "pre_gdr", "conv1d", "mrope")  # summary order
 H200_SMS = 132  # --dry-list on a machine without a GPU plans for an H200
 QLA_CTA_SHARE = 0.7  # FlashQLA's forward: block_DV from segments x heads against this share of the SMs
-CU_BUCKETS = (64, 128)  # cu_seqlens entries per search depth warmed (fused_kernels/triton_support.cu_block)
+# cu_seqlens entries of the packed rows warmed: a few samples, and more than 64 (the kernels' search
+# over cu_seqlens is one step deeper, fused_kernels/triton_support.cu_steps); the CUDA graphs' table too
+CU_ENTRIES = (4, 66)
 VISION_PATCHES = 1024  # any count: the vision rotary's patch count is not specialised on
 
 
@@ -235,10 +237,10 @@ def _cu_rows(s: RankShapes) -> list[tuple[int, ...] | None]:
     more than 64, or the CUDA graphs' padded table); None for padded batches (no cu_seqlens)."""
     if not s.packed:
         return [None]
-    entries = sorted({4, CU_BUCKETS[1] // 2 + 2, s.graph_cu_entries or 4})
+    entries = sorted({*CU_ENTRIES, s.graph_cu_entries or CU_ENTRIES[0]})
     seen, rows = set(), []
     for n in entries:
-        bucket = max(CU_BUCKETS[0], 1 << (n - 1).bit_length())
+        bucket = max(64, 1 << (n - 1).bit_length())  # triton_support.cu_block
         if bucket not in seen and n - 1 <= s.seq:
             seen.add(bucket)
             rows.append(segments_of(s.seq, n - 1))
