@@ -41,9 +41,10 @@ def read_header(path: Path) -> dict[str, dict]:
 
 
 class SafetensorsFolder:
-    """Names, shapes and dtypes of every tensor of a folder, and each tensor (or a range of its
-    leading rows) on demand, read with ``os.pread``: no memory map, so what the reader holds is
-    the tensors it returned and nothing of the files it has read. Safe to share between threads."""
+    """Names, shapes and dtypes of every tensor of a folder, and each tensor (or a box of its rows
+    and columns, ``read_rows``) on demand, read with ``os.pread``: no memory map, so what the reader
+    holds is the tensors it returned and nothing of the files it has read, and ``bytes_read`` (per
+    tensor) is exactly what came off the disk. Safe to share between threads."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -65,6 +66,7 @@ class SafetensorsFolder:
                 self._entry[name], self.file_of[name] = entry, f
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
+        self.bytes_read: dict[str, int] = {}
 
     @property
     def names(self) -> list[str]:
@@ -86,6 +88,18 @@ class SafetensorsFolder:
         except KeyError:
             raise KeyError(f"{self.path} holds no tensor {name}") from None
 
+    def _pread(self, name: str, into: memoryview, start: int) -> None:
+        fd, done = self._fd(self.file_of[name]), 0
+        while done < len(into):
+            n = os.preadv(fd, [into[done:]], start + done)
+            if n <= 0:
+                raise OSError(f"{self.path / self.file_of[name]}: ends inside tensor {name}")
+            done += n
+
+    def _count(self, name: str, nbytes: int) -> None:
+        with self._lock:
+            self.bytes_read[name] = self.bytes_read.get(name, 0) + nbytes
+
     def get(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The tensor, or rows ``lo:hi`` of its first dimension (read alone, not the whole tensor)."""
         e = self._info(name)
@@ -96,15 +110,36 @@ class SafetensorsFolder:
             start, end = start + rows[0] * row_bytes, start + rows[1] * row_bytes
             shape[0] = rows[1] - rows[0]
         buf = bytearray(end - start)
-        view, fd, done = memoryview(buf), self._fd(self.file_of[name]), 0
-        while done < len(buf):
-            n = os.preadv(fd, [view[done:]], start + done)
-            if n <= 0:
-                raise OSError(f"{self.path / self.file_of[name]}: ends inside tensor {name}")
-            done += n
+        self._pread(name, memoryview(buf), start)
+        self._count(name, len(buf))
         if not buf:
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+
+    def read_rows(self, name: str, width: int, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
+        """Rows ``rows`` and columns ``cols`` of the tensor seen as a [numel / width, width] matrix
+        (its storage order), as a [rows, cols] tensor; only those bytes are read: one read when the
+        columns are whole, else one per row."""
+        e = self._info(name)
+        dtype = _DTYPES[e["dtype"]]
+        numel = (e["data_offsets"][1] - e["data_offsets"][0]) // dtype.itemsize
+        if width <= 0 or numel % width or not (0 <= rows[0] <= rows[1] <= numel // width) \
+                or not (0 <= cols[0] <= cols[1] <= width):
+            raise ValueError(f"{name}: rows {rows} x cols {cols} is not inside its {numel // max(width, 1)} x {width} "
+                             f"view ({numel} elements)")
+        n_rows, n_cols, item = rows[1] - rows[0], cols[1] - cols[0], dtype.itemsize
+        buf = bytearray(n_rows * n_cols * item)
+        view = memoryview(buf)
+        if n_cols == width:
+            self._pread(name, view, e["start"] + rows[0] * width * item)
+        else:
+            span = n_cols * item
+            for i in range(n_rows):
+                self._pread(name, view[i * span:(i + 1) * span], e["start"] + ((rows[0] + i) * width + cols[0]) * item)
+        self._count(name, len(buf))
+        if not buf:
+            return torch.empty((n_rows, n_cols), dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(n_rows, n_cols)
 
     def dtype(self, name: str) -> torch.dtype:
         return _DTYPES[self._info(name)["dtype"]]

@@ -6,9 +6,10 @@ which piece of which of our (TP=1) tensors it is (a chunk of a factory such as G
 ``in_proj`` is a view of its parameter; its size, strides and storage offset say which).
 
 - import: torch's distributed-checkpoint writer asks the planner for each chunk as it writes it
-  (``_StreamingPlanner.resolve_data``); the chunk is made then from the few HF tensors it needs,
-  read lazily, and dropped once written. Stacked expert weights are written in groups of
-  experts, so the largest thing held is one group. ``workers`` threads write files in parallel.
+  (``_StreamingPlanner.resolve_data``); the chunk is made then from the rows of the HF tensors it
+  is made of (``_read_region``, as direct loading reads a rank's pieces), and dropped once
+  written. Stacked expert weights are written in groups of experts, so the largest thing held is
+  one group. ``workers`` threads write files in parallel.
 - export: the HF shards are planned from the meta model first (names, sizes, so the file names
   carry the shard count); each shard then reads the units it holds (a decoder layer's tensors, a
   group of its experts, the vision tower, ...) from the dist-checkpoint, only the stored chunks
@@ -19,6 +20,7 @@ Peak memory is a unit or a shard per worker, whatever the depth of the model.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import io
 import json
@@ -121,6 +123,73 @@ def _view(tensor: torch.Tensor, chunk: Chunk, rows_from: int = 0, param_stride0:
     return tensor.as_strided(size, stride, storage_offset - rows_from * param_stride0)
 
 
+def _width(param: torch.Tensor) -> int:
+    """The columns our tensor is read in: its last dim (a row of a weight, one expert's row)."""
+    return param.shape[-1] if param.dim() else 1
+
+
+def _rows_touched(size, stride, offset: int, width: int) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    """The rows and columns of a [N, width] matrix that the strided view (size, stride, offset) of
+    its storage reads: (row runs [(first, count)], sorted and disjoint; (first col, end col)). Each
+    axis of the views we get steps whole rows (a stride of whole rows) or within a row (a stride below
+    one row); an axis that does neither, or columns that wrap into the next row, take the whole rows
+    from the view's first element to its last (never met with megatron's slices, kept for safety)."""
+    if any(n == 0 for n in size):
+        return [], (0, 0)
+    axes = [(n, s) for n, s in zip(size, stride) if n > 1]
+    within = [(n, s) for n, s in axes if s < width]
+    across = sorted(((n, s // width) for n, s in axes if s >= width and s % width == 0), key=lambda a: a[1])
+    c0 = offset % width
+    c1 = c0 + 1 + sum((n - 1) * s for n, s in within)
+    starts_count = 1
+    for n, _ in across[1:] if across and across[0][1] == 1 else across:
+        starts_count *= n
+    if len(within) + len(across) != len(axes) or c1 > width or starts_count > 1 << 20:
+        last = offset + sum((n - 1) * s for n, s in axes)
+        return [(offset // width, last // width - offset // width + 1)], (0, width)
+    run = across.pop(0)[0] if across and across[0][1] == 1 else 1
+    starts = [offset // width]
+    for n, s in across:
+        starts = [x + k * s for x in starts for k in range(n)]
+    runs: list[tuple[int, int]] = []
+    for x in sorted(starts):
+        if runs and x <= runs[-1][0] + runs[-1][1]:
+            runs[-1] = (runs[-1][0], max(runs[-1][1], x + run - runs[-1][0]))
+        else:
+            runs.append((x, run))
+    return runs, (c0, c1)
+
+
+def _read_region(c: Chunk, lo: list[int], hi: list[int], src, folder: SafetensorsFolder, m, adapter,
+                 width: int) -> torch.Tensor:
+    """Elements ``lo:hi`` (in the global coordinates of ``c``'s key) of chunk ``c``, read from the HF
+    files alone: the rows and columns of our TP=1 tensor (a matrix of ``width`` columns) that they
+    touch, each taken from the HF rows it is made of (``adapter.hf_rows``). A TP rank reads its rows
+    (column-parallel) or its columns (row-parallel), an EP rank its experts, and a fused HF tensor
+    (GDN's in_proj parts, gate/up, transformers' stacked experts) only the part the chunk is of."""
+    size, stride, offset = c.view
+    offset += sum((a - o) * st for a, o, st in zip(lo, c.offset, stride))
+    size = [h - a for a, h in zip(lo, hi)]
+    runs, (c0, c1) = _rows_touched(size, stride, offset, width)
+    dtype = folder.dtype(src.hf[0])
+    if not runs:
+        return torch.empty(size, dtype=dtype)
+    # a buffer from the first row read to the last; the rows between runs are never looked at
+    first, cols = runs[0][0], c1 - c0
+    buf = torch.empty((runs[-1][0] + runs[-1][1] - first, cols), dtype=dtype)
+    pieces = adapter.hf_rows(src, m, width, folder.shape)
+    ends = [ours + n for ours, _, _, n in pieces]
+    for a, n in runs:
+        for ours, name, theirs, count in pieces[bisect.bisect_right(ends, a):]:
+            if ours >= a + n:
+                break
+            r0, r1 = max(a, ours), min(a + n, ours + count)
+            rows = (theirs + r0 - ours, theirs + r1 - ours)
+            buf[r0 - first:r1 - first] = folder.read_rows(name, width, rows, (c0, c1))
+    strides = stride if cols == width else [s // width * cols if s >= width else s for s in stride]
+    return buf.as_strided(size, strides, (offset // width - first) * cols + offset % width - c0)
+
+
 # ------------------------------------------------------------------------------------------ import
 
 
@@ -203,6 +272,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, adapter, family, workers: int
     from torch.distributed.checkpoint import save as dcp_save
     from torch.distributed.checkpoint.planner import WriteItemType
 
+    from multimodal import checkpoint_checks as checks
     from multimodal import checkpointing
 
     folder = SafetensorsFolder(hf_dir)
@@ -235,14 +305,10 @@ def import_hf(hf_dir: str | Path, out: str | Path, adapter, family, workers: int
             buf.seek(0)
             return buf
         c = by_index[(item.index.fqn, tuple(item.index.offset))]
-        src = sources[c.param]
-        full = adapter.build_from_hf(src, folder.get, m, c.experts)
-        if c.experts is None:
-            data = _view(full.contiguous(), c)
-        else:
-            data = _view(full.contiguous(), c, c.experts[0], params[c.param].stride(0))
+        data = _read_region(c, list(c.offset), [o + n for o, n in zip(c.offset, c.shape)], sources[c.param], folder,
+                            m, adapter, _width(params[c.param]))
         progress.add(data.numel() * data.element_size())
-        return data.clone()  # the chunk alone: the writer keeps nothing that pins the whole source
+        return data.clone()  # the chunk alone: the writer keeps nothing that pins the rows read around it
 
     root = Path(out)
     final, tmp = root / "iter_0000000", root / "iter_0000000.tmp"
@@ -265,6 +331,12 @@ def import_hf(hf_dir: str | Path, out: str | Path, adapter, family, workers: int
     meta = {MODEL_CONFIG_FILE: json.dumps(dataclasses.asdict(m), indent=1),
             HF_CONFIG_FILE: (Path(hf_dir) / "config.json").read_text()}
     trainer = {"iteration": 0, "weights_only": True, "source": str(hf_dir), "hf_dtype": dtypes[0]}
+    # the manifest's crc32s, read by the import's own workers: left to _commit, eight threads with a
+    # 16 MiB buffer each would be the import's peak memory
+    sums = checks.crc32_of(sorted(tmp.glob("*.distcp")), threads=max(1, workers))
+    (tmp / checks.CHECKSUMS).mkdir(exist_ok=True)
+    (tmp / checks.CHECKSUMS / "rank00000.json").write_text(
+        json.dumps({p.name: {"bytes": p.stat().st_size, "crc32": c} for p, c in sums.items()}))
     # the training checkpoints' protocol: metadata, manifest, trainer_state.json last, rename, latest
     checkpointing._commit(root, tmp, final, trainer, meta, keep_last=0, need=total)
     for f in final.rglob("*"):
@@ -488,7 +560,7 @@ class ReferencePlan:
     """Where every stored tensor of the TP=1 model lives in our TP=1 parameters."""
 
     chunks: dict[str, list[Chunk]]
-    first_dim_stride: dict[str, int]
+    width: dict[str, int]  # the columns each parameter is read in (_width)
 
 
 def reference_plan(m, family) -> ReferencePlan:
@@ -511,19 +583,20 @@ def reference_plan(m, family) -> ReferencePlan:
         plan: dict[str, list[Chunk]] = {}
         for c in chunk_plan(reference)[0]:
             plan.setdefault(c.key, []).append(c)
-        strides = {n: p.stride(0) for n, p in reference.named_parameters() if p.dim()}
+        widths = {n: _width(p) for n, p in reference.named_parameters()}
     finally:
         if own:
             ps.destroy_model_parallel()
-    return ReferencePlan(plan, strides)
+    return ReferencePlan(plan, widths)
 
 
 def load_hf_weights(model, hf_dir: str | Path, m, adapter, plan: ReferencePlan) -> dict:
     """Fill this rank's ``model`` (any TP/PP/EP/CP layout) from an HF folder, with no conversion
     step: every piece the rank holds is cut out of the TP=1 tensor it belongs to (``plan``, from
-    ``reference_plan``), made from the HF tensors it needs when it is needed. A rank reads the
-    tensors of its own pipeline stage and, of a stacked expert weight, only its own experts. LoRA
-    adapters, which HF weights do not have, keep their initial values. Returns counts for the log."""
+    ``reference_plan``) and read from the files alone (``_read_region``): a rank reads the tensors
+    of its own pipeline stage, of those its TP rows or columns, and of a stacked expert weight its
+    own experts. LoRA adapters, which HF weights do not have, keep their initial values. Returns
+    counts for the log (``read``: the bytes read from the files)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     from models.common.layout_init import pieces_of
@@ -548,14 +621,16 @@ def load_hf_weights(model, hf_dir: str | Path, m, adapter, plan: ReferencePlan) 
                         done["fresh"] += 1
                         continue
                     raise KeyError(f"checkpoint.load={hf_dir}: no Hugging Face tensor maps to {st.key}")
-                _fill(st, plan.chunks[st.key], sources, folder, m, plan.first_dim_stride, adapter)
+                _fill(st, plan.chunks[st.key], sources, folder, m, plan.width, adapter)
                 done["tensors"] += 1
                 done["bytes"] += st.data.numel() * st.data.element_size()
     folder.close()
+    done["read"] = sum(folder.bytes_read.values())
+    done["read_by_tensor"] = dict(folder.bytes_read)
     return done
 
 
-def _fill(st, chunks: list[Chunk], sources: dict, folder: SafetensorsFolder, m, strides: dict, adapter) -> None:
+def _fill(st, chunks: list[Chunk], sources: dict, folder: SafetensorsFolder, m, widths: dict, adapter) -> None:
     """Copy into ``st.data`` (this rank's piece of a global tensor, at ``st.global_offset``) the
     overlapping parts of the TP=1 chunks that store that tensor."""
     if st.prepend_axis_num:  # (pieces_of already refused flattened ones)
@@ -566,21 +641,8 @@ def _fill(st, chunks: list[Chunk], sources: dict, folder: SafetensorsFolder, m, 
         hi = [min(a + s, b + t) for a, s, b, t in zip(offset, shape, c.offset, c.shape)]
         if any(h <= l for l, h in zip(lo, hi)):
             continue
-        src = sources[c.param]
-        experts = c.experts
-        if experts is not None:  # only the experts this piece overlaps
-            experts = (lo[0], hi[0])
-        full = adapter.build_from_hf(src, folder.get, m, experts)
-        if experts is None:
-            data = _view(full.contiguous(), c)
-        else:
-            span = Chunk(c.key, (experts[0], *c.offset[1:]), (experts[1] - experts[0], *c.shape[1:]), c.global_shape,
-                         c.param, _sub_view(c, experts), experts)
-            data = _view(full.contiguous(), span, experts[0], strides[c.param])
-            c = span
-        src_region = data[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, c.offset))]
-        dst_region = st.data[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offset))]
-        dst_region.copy_(src_region)
+        region = _read_region(c, lo, hi, sources[c.param], folder, m, adapter, widths[c.param])
+        st.data[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, offset))].copy_(region)
 
 
 def _sub_view(c: Chunk, experts: tuple[int, int]) -> tuple:

@@ -273,9 +273,9 @@ def _attn_qkv_to_hf(qkv, m: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, to
     return torch.stack([q, gate], 1).reshape(nq * 2 * hd, -1), k, v
 
 
-def build_from_hf(src: Source, get, m: ModelConfig, experts: tuple[int, int] | None = None) -> torch.Tensor:
-    """Our tensor from its HF tensors (``get(name)``). ``experts=(lo, hi)``: only those experts of a
-    stacked expert weight (the rows a streaming conversion writes at once); other kinds ignore it."""
+def build_from_hf(src: Source, get, m: ModelConfig) -> torch.Tensor:
+    """Our whole tensor from its whole HF tensors (``get(name)``): the in-memory path (hf_to_ours)
+    and the reference the sliced reads of ``hf_rows`` are tested against."""
     if src.kind == "copy":
         return get(src.hf[0])
     if src.kind == "cat":
@@ -285,14 +285,48 @@ def build_from_hf(src: Source, get, m: ModelConfig, experts: tuple[int, int] | N
     if src.kind == "patch":
         w = get(src.hf[0])
         return w.reshape(w.shape[0], -1)
-    lo, hi = experts or (0, m.num_experts)
     if src.kind == "experts_fused":
-        return get(src.hf[0])[lo:hi]
+        return get(src.hf[0])
     if src.kind == "experts_fc1":
-        return torch.stack([torch.cat([get(src.hf[2 * j]), get(src.hf[2 * j + 1])]) for j in range(lo, hi)])
+        return torch.stack([torch.cat([get(src.hf[2 * j]), get(src.hf[2 * j + 1])]) for j in range(m.num_experts)])
     if src.kind == "experts_fc2":
-        return torch.stack([get(src.hf[j]) for j in range(lo, hi)])
+        return torch.stack([get(src.hf[j]) for j in range(m.num_experts)])
     raise ValueError(f"unknown source kind {src.kind}")
+
+
+def hf_rows(src: Source, m: ModelConfig, width: int, shape_of) -> list[tuple[int, str, int, int]]:
+    """Where each row of our tensor comes from, with our tensor and each HF tensor seen as matrices
+    of ``width`` columns (our last dim) in storage order: ``(our first row, HF name, its first row,
+    rows)`` runs, in our row order. Every kind is rows of its HF tensors: copied (a patch weight's
+    Conv3d shape flattens to the same rows), concatenated (GDN's [qkv | z | b | a], fc1's
+    [gate | up], experts stacked expert by expert), or, for attention, q/gate/k/v regrouped per query
+    group in runs of one head. So any rows (and columns) of ours are read from the files alone."""
+    def rows(name: str) -> int:
+        n = 1
+        for d in shape_of(name):
+            n *= d
+        return n // width
+
+    out, r = [], 0
+    if src.kind == "qkv":
+        hd, nq, ng = m.head_dim, m.num_attention_heads, m.num_query_groups
+        per = nq // ng
+        q, k, v = src.hf
+        for g in range(ng):
+            for half in (0, 1):  # HF's q_proj holds, per head, [q_h | gate_h]; ours: a group's q heads, then its gates
+                for h in range(g * per, (g + 1) * per):
+                    out.append((r, q, (2 * h + half) * hd, hd))
+                    r += hd
+            for name in (k, v):
+                out.append((r, name, g * hd, hd))
+                r += hd
+        return out
+    if src.kind not in ("copy", "cat", "patch", "experts_fused", "experts_fc1", "experts_fc2"):
+        raise ValueError(f"unknown source kind {src.kind}")
+    for name in src.hf:  # in hf_sources' order: the order of our rows
+        out.append((r, name, 0, rows(name)))
+        r += rows(name)
+    return out
 
 
 def split_to_hf(src: Source, t: torch.Tensor, m: ModelConfig, first_expert: int = 0) -> dict[str, torch.Tensor]:
