@@ -100,21 +100,15 @@ class SafetensorsFolder:
         with self._lock:
             self.bytes_read[name] = self.bytes_read.get(name, 0) + nbytes
 
-    def get(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """The tensor, or rows ``lo:hi`` of its first dimension (read alone, not the whole tensor)."""
+    def get(self, name: str) -> torch.Tensor:
+        """The whole tensor."""
         e = self._info(name)
-        shape, dtype = list(e["shape"]), _DTYPES[e["dtype"]]
-        start, end = e["start"], e["start"] + e["data_offsets"][1] - e["data_offsets"][0]
-        if rows is not None:
-            row_bytes = (end - start) // shape[0] if shape and shape[0] else 0
-            start, end = start + rows[0] * row_bytes, start + rows[1] * row_bytes
-            shape[0] = rows[1] - rows[0]
-        buf = bytearray(end - start)
-        self._pread(name, memoryview(buf), start)
+        buf = bytearray(e["data_offsets"][1] - e["data_offsets"][0])
+        self._pread(name, memoryview(buf), e["start"])
         self._count(name, len(buf))
         if not buf:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+            return torch.empty(e["shape"], dtype=_DTYPES[e["dtype"]])
+        return torch.frombuffer(buf, dtype=_DTYPES[e["dtype"]]).reshape(e["shape"])
 
     def read_rows(self, name: str, width: int, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
         """Rows ``rows`` and columns ``cols`` of the tensor seen as a [numel / width, width] matrix
