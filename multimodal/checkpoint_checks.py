@@ -48,13 +48,13 @@ def crc32_of(paths: list[Path], threads: int = 8) -> dict[Path, str]:
         return dict(zip(paths, pool.map(file_crc32, paths)))
 
 
-def write_rank_checksums(directory: Path, rank: int) -> None:
+def write_rank_checksums(directory: Path, rank: int, threads: int = 8) -> None:
     """crc32 of the shard files rank ``rank`` wrote (``__<rank>_*.distcp``), into
     ``checksums/rank<rank>.json``: run where the files were written (the async writer process),
     so the manifest need not read every byte again on rank 0 while training waits."""
     directory = Path(directory)
     files = sorted(directory.glob(f"__{rank}_*.distcp"))
-    sums = {p.name: {"bytes": p.stat().st_size, "crc32": c} for p, c in crc32_of(files).items()}
+    sums = {p.name: {"bytes": p.stat().st_size, "crc32": c} for p, c in crc32_of(files, threads).items()}
     (directory / CHECKSUMS).mkdir(exist_ok=True)
     (directory / CHECKSUMS / f"rank{rank:05d}.json").write_text(json.dumps(sums))
 

@@ -333,10 +333,7 @@ def import_hf(hf_dir: str | Path, out: str | Path, adapter, family, workers: int
     trainer = {"iteration": 0, "weights_only": True, "source": str(hf_dir), "hf_dtype": dtypes[0]}
     # the manifest's crc32s, read by the import's own workers: left to _commit, eight threads with a
     # 16 MiB buffer each would be the import's peak memory
-    sums = checks.crc32_of(sorted(tmp.glob("*.distcp")), threads=max(1, workers))
-    (tmp / checks.CHECKSUMS).mkdir(exist_ok=True)
-    (tmp / checks.CHECKSUMS / "rank00000.json").write_text(
-        json.dumps({p.name: {"bytes": p.stat().st_size, "crc32": c} for p, c in sums.items()}))
+    checks.write_rank_checksums(tmp, 0, threads=max(1, workers))
     # the training checkpoints' protocol: metadata, manifest, trainer_state.json last, rename, latest
     checkpointing._commit(root, tmp, final, trainer, meta, keep_last=0, need=total)
     for f in final.rglob("*"):
