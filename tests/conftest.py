@@ -30,6 +30,27 @@ def mcore():
     ps.destroy_model_parallel()
 
 
+@pytest.fixture(scope="session")
+def clipped_proxy_runs(tmp_path_factory):
+    """4 steps of the proxy with a small clip_grad (clipping acts on every step) under each
+    optimizer path that tests/test_multi_tensor.py and tests/test_flat_adamw.py compare, one after
+    another in one process of the entry point (tests/test_training.py's worker). ``default``: the
+    CPU default, torch's fused AdamW with the gradient scale deferred into it. Returns
+    rows(name): that run's metrics rows in step order."""
+    from test_training import _train_in_one_process
+
+    common = ["--config", "configs/qwen35_vl_proxy.yaml", "train.iters=4", "train.seq_length=256", "checkpoint.dir=null",
+              "logging.tensorboard=false", "optimizer.clip_grad=0.05"]
+    rows = _train_in_one_process(tmp_path_factory.mktemp("clipped_proxy"), {
+        "default": common,
+        "foreach": [*common, "optimizer.fused=false"],
+        "passes": [*common, "optimizer.defer_grad_scaling=false"],
+        "flat": [*common, "optimizer.flat=true"],
+        "not_flat": [*common, "optimizer.flat=false"],
+    })
+    return lambda name: [r for _, r in sorted(rows(name).items())]
+
+
 def pytest_collection_modifyitems(config, items):
     """A ``gpu``-marked test needs a CUDA device: without one it is skipped (``-ra`` counts the skips)."""
     import torch

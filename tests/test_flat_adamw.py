@@ -235,13 +235,10 @@ def test_install_refuses_what_it_does_not_cover(mcore, caplog):
 
 
 @pytest.mark.slow
-def test_trainer_with_flat_adamw_trains_like_torch_fused(tmp_path):
+def test_trainer_with_flat_adamw_trains_like_torch_fused(clipped_proxy_runs):
     """The entry point with optimizer.flat=true (the PyTorch reference on this CPU) against torch's
     fused AdamW, clipping active (so the deferred grad_scale reaches the flat step)."""
-    from test_multi_tensor import _train
-
-    flat = _train(tmp_path, "flat", "optimizer.flat=true")
-    fused = _train(tmp_path, "fused", "optimizer.flat=false")
+    flat, fused = clipped_proxy_runs("flat"), clipped_proxy_runs("not_flat")
     assert all(r["grad_norm"] > 0.05 for r in flat)
     for a, b in zip(flat, fused):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6), (a, b)

@@ -41,22 +41,13 @@ def test_scale_copies_and_scales_like_amp_c(scale):
         assert torch.equal(b, a * factor)
 
 
-def _train(tmp_path, name, *overrides):
-    from test_training import _train as run  # the entry point in a subprocess, like the other training tests
-
-    rows = run(tmp_path / name, "train.iters=4", "train.seq_length=256", "checkpoint.dir=null",
-               "logging.tensorboard=false", "optimizer.clip_grad=0.05", *overrides)
-    return [rows[k] for k in sorted(rows)]
-
-
 @pytest.mark.slow
-def test_fused_adam_and_foreach_hooks_train_like_the_foreach_adam(tmp_path):
+def test_fused_adam_and_foreach_hooks_train_like_the_foreach_adam(clipped_proxy_runs):
     """Same proxy run with torch's fused AdamW and with its foreach AdamW (both with our
     _foreach norm/clip hooks, which the trainer installs on this machine: megatron has no
     TE/Apex here); a small clip_grad makes clipping act on every step. The two AdamW kernels
     differ only in fp32 rounding."""
-    fused = _train(tmp_path, "fused")
-    foreach = _train(tmp_path, "foreach", "optimizer.fused=false")
+    fused, foreach = clipped_proxy_runs("default"), clipped_proxy_runs("foreach")
     assert [r["step"] for r in fused] == [1, 2, 3, 4]
     assert all(r["grad_norm"] > 0.05 for r in fused)  # clipping was active
     for a, b in zip(fused, foreach):
@@ -65,11 +56,10 @@ def test_fused_adam_and_foreach_hooks_train_like_the_foreach_adam(tmp_path):
 
 
 @pytest.mark.slow
-def test_deferred_grad_scaling_trains_like_the_separate_passes(tmp_path):
+def test_deferred_grad_scaling_trains_like_the_separate_passes(clipped_proxy_runs):
     """optimizer.defer_grad_scaling (the 1/tokens scale and the clip coefficient applied inside the
     fused AdamW kernel) against megatron's two passes over the gradients, clipping active."""
-    deferred = _train(tmp_path, "deferred")
-    passes = _train(tmp_path, "passes", "optimizer.defer_grad_scaling=false")
+    deferred, passes = clipped_proxy_runs("default"), clipped_proxy_runs("passes")
     assert all(r["grad_norm"] > 0.05 for r in deferred)
     for a, b in zip(deferred, passes):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=1e-7), (a, b)

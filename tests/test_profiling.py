@@ -113,7 +113,11 @@ def test_profile_keys_are_validated():
 def test_cpu_training_run_writes_trace_and_operator_table(tmp_path):
     from test_training import _train  # the entry point in a subprocess, like the other training tests
 
-    rows = _train(tmp_path, "train.iters=3", "train.seq_length=256", "checkpoint.dir=null",
+    # one short micro-batch a step: exporting the trace and building the operator table cost host
+    # time per recorded op (the GDN reference records ops per token of each chunk), and nothing
+    # checked here needs a larger step
+    rows = _train(tmp_path, "train.iters=3", "train.seq_length=128", "train.global_batch_size=1",
+                  "data.mock.max_image_side=64", "data.mock.max_text_tokens=48", "checkpoint.dir=null",
                   "logging.tensorboard=false", "logging.profile_step=2", "logging.profile_num_steps=1")
     assert sorted(rows) == [1, 2, 3]  # profiling does not stop or skip steps
     prof = tmp_path / "profile"
