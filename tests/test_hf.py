@@ -70,6 +70,63 @@ def _run(*cmd: str, nproc: int = 1):
     return proc.stdout
 
 
+# Several script runs in one process: each as ``python SCRIPT ARGS`` would run it (runpy as
+# __main__, its exit code from SystemExit), its stdout and stderr in files of its own, megatron's
+# parallel state torn down before it as in a fresh process; torch and megatron start once.
+_IN_ONE_PROCESS = r"""
+import json, os, runpy, sys, traceback
+calls, out = json.loads(sys.argv[1]), sys.argv[2]
+codes = []
+for i, argv in enumerate(calls):
+    from megatron.core import parallel_state as ps
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    sys.stdout.flush(); sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(f"{out}/{i}.out", "w") as o, open(f"{out}/{i}.err", "w") as e:
+        os.dup2(o.fileno(), 1); os.dup2(e.fileno(), 2)
+        sys.argv = list(argv)
+        try:
+            runpy.run_path(argv[0], run_name="__main__")
+            code = 0
+        except SystemExit as x:
+            if x.code is None or isinstance(x.code, int):
+                code = x.code or 0
+            else:  # sys.exit("message"): printed, exit code 1
+                print(x.code, file=sys.stderr)
+                code = 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush(); sys.stderr.flush()
+        os.dup2(saved[0], 1); os.dup2(saved[1], 2)
+    codes.append(code)
+with open(f"{out}/codes.json", "w") as f:
+    json.dump(codes, f)
+"""
+
+
+def _run_in_one_process(*calls: tuple[str, ...]) -> list[tuple[int, str, str]]:
+    """Each call (script, *args) in turn in one process; (exit code, stdout, stderr) of each."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as out:
+        proc = subprocess.run([sys.executable, "-c", _IN_ONE_PROCESS, json.dumps(calls), out], cwd=ROOT, env=_env(),
+                              capture_output=True, text=True, timeout=1800)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        codes = json.loads(Path(out, "codes.json").read_text())
+        return [(code, Path(out, f"{i}.out").read_text(), Path(out, f"{i}.err").read_text())
+                for i, code in enumerate(codes)]
+
+
+def _run_ok(*calls: tuple[str, ...]) -> list[str]:
+    """_run_in_one_process where every call must succeed: the stdout of each."""
+    ran = _run_in_one_process(*calls)
+    for call, (code, _, err) in zip(calls, ran):
+        assert code == 0, (call, err[-4000:])
+    return [out for _, out, _ in ran]
+
+
 def _assert_same_tensors(a_dir: Path, b_dir: Path):
     a, b = load_hf_state_dict(a_dir), load_hf_state_dict(b_dir)
     assert set(a) == set(b)
@@ -87,18 +144,18 @@ def test_import_export_round_trip_and_parallel_layouts(moe, layout, tmp_path):
     hf_dir = make_hf_checkpoint(tmp_path / "hf", moe=moe, tied=not moe)
     ckpt = tmp_path / "ckpt"
     _run("scripts/convert_hf.py", "import", "--hf-dir", str(hf_dir), "--out", str(ckpt), layout)
-    _run("scripts/convert_hf.py", "export", "--ckpt", str(ckpt), "--out", str(tmp_path / "exported"))
+    _run("tests/helpers/mp_logits.py", str(ckpt), str(tmp_path / "parallel.pt"), layout,
+         "--save-weights", str(tmp_path / "ckpt_parallel"), nproc=2)
+    # what reads the two checkpoints, after the parallel run: one process
+    _run_ok(("scripts/convert_hf.py", "export", "--ckpt", str(ckpt), "--out", str(tmp_path / "exported")),
+            ("tests/helpers/mp_logits.py", str(ckpt), str(tmp_path / "single.pt")),
+            ("scripts/convert_hf.py", "export", "--ckpt", str(tmp_path / "ckpt_parallel"),
+             "--out", str(tmp_path / "exported_parallel")))
     _assert_same_tensors(hf_dir, tmp_path / "exported")
     AutoModelForImageTextToText.from_pretrained(tmp_path / "exported")  # transformers accepts it
 
-    _run("tests/helpers/mp_logits.py", str(ckpt), str(tmp_path / "single.pt"))
-    _run("tests/helpers/mp_logits.py", str(ckpt), str(tmp_path / "parallel.pt"), layout,
-         "--save-weights", str(tmp_path / "ckpt_parallel"), nproc=2)
     single, parallel = torch.load(tmp_path / "single.pt"), torch.load(tmp_path / "parallel.pt")
     torch.testing.assert_close(parallel, single, rtol=1e-5, atol=1e-5)
-
-    _run("scripts/convert_hf.py", "export", "--ckpt", str(tmp_path / "ckpt_parallel"),
-         "--out", str(tmp_path / "exported_parallel"))
     _assert_same_tensors(hf_dir, tmp_path / "exported_parallel")
 
 
@@ -106,27 +163,26 @@ def test_import_export_round_trip_and_parallel_layouts(moe, layout, tmp_path):
 def test_training_starts_from_converted_weights_and_its_checkpoint_exports(tmp_path):
     hf_dir = make_hf_checkpoint(tmp_path / "hf", moe=False, tied=True)
     ckpt = tmp_path / "imported"
-    _run("scripts/convert_hf.py", "import", "--hf-dir", str(hf_dir), "--out", str(ckpt))
-    _run("pretrain_multimodal.py", "--config", "configs/qwen35_vl_proxy.yaml", f"model.hf_config={hf_dir}",
-         f"checkpoint.load={ckpt}", f"checkpoint.dir={tmp_path / 'trained'}", f"logging.dir={tmp_path / 'log'}",
-         "logging.progress_bar=false", "train.iters=2", "train.seq_length=256", "data.mock.max_image_side=64",
-         "data.mock.max_text_tokens=48", "model.im_start_token_id=504", "model.im_end_token_id=505",
-         "model.eos_token_id=506", "model.pad_token_id=507", "optimizer.lr=0", "optimizer.min_lr=0")
+    run = ("pretrain_multimodal.py", "--config", "configs/qwen35_vl_proxy.yaml", "logging.progress_bar=false",
+           "train.iters=2", "train.seq_length=256", "data.mock.max_image_side=64", "data.mock.max_text_tokens=48",
+           "model.im_start_token_id=504", "model.im_end_token_id=505", "model.eos_token_id=506",
+           "model.pad_token_id=507", "optimizer.lr=0", "optimizer.min_lr=0")
+    out = tmp_path / "exported"
+    # import, train, export, and train again from the HF folder itself: one process, each step as its CLI
+    _run_ok(("scripts/convert_hf.py", "import", "--hf-dir", str(hf_dir), "--out", str(ckpt)),
+            (*run, f"model.hf_config={hf_dir}", f"checkpoint.load={ckpt}", f"checkpoint.dir={tmp_path / 'trained'}",
+             f"logging.dir={tmp_path / 'log'}"),
+            ("scripts/convert_hf.py", "export", "--ckpt", str(tmp_path / "trained"), "--out", str(out)),
+            # checkpoint.load=<the HF folder> (its config.json the architecture): no import step
+            (*run, f"checkpoint.load={hf_dir}", f"checkpoint.dir={tmp_path / 'direct'}",
+             f"logging.dir={tmp_path / 'log_direct'}", f"checkpoint.save_hf={tmp_path / 'saved_hf'}"))
     rows = [json.loads(x) for x in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["loss"] == r["loss"] for r in rows)  # finite
     # lr = 0: the training checkpoint holds exactly the imported weights, so exporting it must give
     # back the original HF tensors (proves the trainer loaded them and that training checkpoints export)
-    out = tmp_path / "exported"
-    _run("scripts/convert_hf.py", "export", "--ckpt", str(tmp_path / "trained"), "--out", str(out))
     _assert_same_tensors(hf_dir, out)
-    # checkpoint.load=<the HF folder> (its config.json the architecture): no import step, the same losses
-    _run("pretrain_multimodal.py", "--config", "configs/qwen35_vl_proxy.yaml", f"checkpoint.load={hf_dir}",
-         f"checkpoint.dir={tmp_path / 'direct'}", f"logging.dir={tmp_path / 'log_direct'}",
-         f"checkpoint.save_hf={tmp_path / 'saved_hf'}",
-         "logging.progress_bar=false", "train.iters=2", "train.seq_length=256", "data.mock.max_image_side=64",
-         "data.mock.max_text_tokens=48", "model.im_start_token_id=504", "model.im_end_token_id=505",
-         "model.eos_token_id=506", "model.pad_token_id=507", "optimizer.lr=0", "optimizer.min_lr=0")
+    # the run from the HF folder: the same losses
     direct = [json.loads(x) for x in (tmp_path / "log_direct" / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in direct] == [r["loss"] for r in rows]
     _assert_same_tensors(hf_dir, tmp_path / "saved_hf")  # checkpoint.save_hf: lr = 0, the weights it loaded

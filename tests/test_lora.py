@@ -12,7 +12,7 @@ import torch
 
 from helpers.hf_fixtures import make_hf_checkpoint
 from helpers.proxy_fixtures import optimizer_steps
-from test_hf import _run
+from test_hf import _run, _run_in_one_process
 
 from models.common.lora import is_adapter_param
 from multimodal.config import ConfigError, load_config, validate
@@ -143,11 +143,17 @@ def test_merged_export_matches_the_lora_model(mcore, tmp_path):
     checkpointing.save_weights(tmp_path / "lora", model, meta_files={
         "model_config.json": json.dumps(dataclasses.asdict(m)), "hf_config.json": (hf_dir / "config.json").read_text()})
 
-    with pytest.raises(AssertionError, match="pass --merge-lora"):
-        _run("scripts/convert_hf.py", "export", "--ckpt", str(tmp_path / "lora"), "--out", str(tmp_path / "x"))
+    # the three exports of this checkpoint in one process, each as its own CLI run
     proc_out = tmp_path / "merged"
-    _run("scripts/convert_hf.py", "export", "--ckpt", str(tmp_path / "lora"), "--out", str(proc_out),
-         "--dtype", "fp32", "--merge-lora")
+    refused, merged, adapter_only = _run_in_one_process(
+        ("scripts/convert_hf.py", "export", "--ckpt", str(tmp_path / "lora"), "--out", str(tmp_path / "x")),
+        ("scripts/convert_hf.py", "export", "--ckpt", str(tmp_path / "lora"), "--out", str(proc_out),
+         "--dtype", "fp32", "--merge-lora"),
+        ("scripts/convert_hf.py", "export", "--ckpt", str(tmp_path / "lora"), "--out", str(tmp_path / "peft"),
+         "--adapter-only"))
+    assert refused[0] != 0 and "pass --merge-lora" in refused[2], refused
+    assert merged[0] == 0, merged[2][-4000:]
+    assert adapter_only[0] == 0, adapter_only[2][-4000:]
     use_hf_torch_kernels()
     hf = AutoModelForImageTextToText.from_pretrained(proc_out, dtype=torch.float32, attn_implementation="sdpa").eval()
     with torch.no_grad():
@@ -162,8 +168,6 @@ def test_merged_export_matches_the_lora_model(mcore, tmp_path):
 
     # --adapter-only: a PEFT adapter that peft loads on top of the base HF checkpoint
     from peft import PeftModel  # in the dev extra: a missing peft fails this test, never skips the check
-    _run("scripts/convert_hf.py", "export", "--ckpt", str(tmp_path / "lora"), "--out", str(tmp_path / "peft"),
-         "--adapter-only")
     peft_model = PeftModel.from_pretrained(base, tmp_path / "peft").eval()
     with torch.no_grad():
         peft_logits = peft_model(input_ids=input_ids, pixel_values=pixels, image_grid_thw=grid,
