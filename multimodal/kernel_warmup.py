@@ -77,8 +77,11 @@ def _delta_rule_inputs(batch: int, seq: int, heads: int, key_dim: int, value_dim
 def flash_qla(heads, key_dim, value_dim, dtype, seq, batch, segments, max_chunks) -> None:
     """FlashQLA's delta rule on a packed row (``segments``; cut into pieces of ``max_chunks`` chunks
     when given, the plan FlashQLA's cost model would otherwise choose) or on dense rows."""
+    import tilelang  # noqa: F401 - its import sets its logger to INFO: two lines per kernel compiled
+
     from fused_kernels import flash_qla_gdr as qla
 
+    logging.getLogger("tilelang").setLevel(logging.WARNING)
     q, k, v, g, beta = _delta_rule_inputs(1 if segments else batch, seq, heads, key_dim, value_dim,
                                           getattr(torch, dtype))
     plan = None
