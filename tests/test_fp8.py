@@ -250,6 +250,34 @@ def test_config_refuses_an_unknown_recipe():
         validate(load_config(PROXY, ["train.fp8=e4m3"]))
 
 
+@pytest.mark.parametrize("tokens", [1000, 1024, 8])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fast_path_operands_pass_torchs_own_checks(recipe, tokens, monkeypatch):
+    """The fast path's calls, on meta tensors: torch's meta kernels of _scaled_mm /
+    _scaled_grouped_mm carry the CUDA kernels' checks (16-byte strides, K % 16, layouts, scale
+    shapes). A token count that is no multiple of 16 is the contraction of every weight gradient
+    (dense and grouped); it is padded with zeros, which the second test shows change no product."""
+    monkeypatch.setattr(fp8_gemm, "fast_path_reason", lambda *a, **k: None)
+    x = torch.randn(tokens, 256, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(512, 256, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    out = _linear(x, w, recipe)
+    out.backward(torch.randn(tokens, 512, device="meta", dtype=torch.bfloat16))
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape
+    offs = torch.tensor([tokens // 10, tokens // 10, tokens // 2, tokens], dtype=torch.int32, device="meta")
+    b = torch.randn(4, 256, 128, device="meta", dtype=torch.bfloat16)
+    assert fp8.grouped_mm(x.detach(), b, offs).shape == (tokens, 128)
+    assert fp8.grouped_mm(out.detach().t(), x.detach(), offs).shape == (4, 512, 256)
+
+
+def test_contraction_padding_changes_no_product():
+    a = torch.randn(24, 1000).to(fp8_gemm.E4M3)
+    b = torch.randn(40, 1000).to(fp8_gemm.E4M3).t()  # [K, N], column-major as the GEMM takes it
+    a_pad, b_pad = fp8_gemm._contraction_padded(a, b)
+    assert a_pad.shape == (24, 1008) and b_pad.shape == (1008, 40) and b_pad.stride() == (1, 1008)
+    assert torch.equal(a_pad.float() @ b_pad.float(), a.float() @ b.float())
+    assert not a_pad[:, 1000:].float().any() and not b_pad[1000:].float().any()
+
+
 # ----------------------------------------------------------------------------- the GPU
 
 

@@ -160,12 +160,30 @@ def _column_major(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-2) == 1 else t.mT.contiguous().mT
 
 
+def _contraction_padded(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """a [M, K] row-major and b [K, N] column-major, K zero-padded to a multiple of 16: torch's FP8
+    GEMMs need it (16-byte rows). K is a weight width (16-aligned, or the layer stays bf16) except
+    in the weight gradients, where it is the token count: a packed row of any length, or the
+    routed tokens of the experts. The zeros add nothing to any product, and in the grouped form
+    they lie past the last offset, in no group."""
+    k = a.shape[1]
+    padded = -(-k // _ALIGN) * _ALIGN
+    if padded == k:
+        return a.contiguous(), _column_major(b)
+    a_pad = torch.zeros(a.shape[0], padded, dtype=a.dtype, device=a.device)
+    a_pad[:, :k].copy_(a)
+    b_pad = torch.zeros(b.shape[1], padded, dtype=b.dtype, device=b.device)
+    b_pad[:, :k].copy_(b.t())
+    return a_pad, b_pad.t()
+
+
 def matmul(a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
     """a [M, K] @ b [K, N] -> [M, N] in ``out_dtype``; a's scale is 0-dim or [M, 1], b's 0-dim or [1, N]."""
     reason = fast_path_reason(a.data.device)
     if reason is None:
-        return torch._scaled_mm(a.data.contiguous(), _column_major(b.data), a.inv_scale, b.inv_scale,
-                                out_dtype=out_dtype, use_fast_accum=fast_accum)
+        a_data, b_data = _contraction_padded(a.data, b.data)
+        return torch._scaled_mm(a_data, b_data, a.inv_scale, b.inv_scale, out_dtype=out_dtype,
+                                use_fast_accum=fast_accum)
     _warn_emulated(reason)
     return (a.dequantize() @ b.dequantize()).to(out_dtype)
 
@@ -180,11 +198,12 @@ def grouped_matmul(a: Quantized, b: Quantized, offs: torch.Tensor, out_dtype: to
     reason = fast_path_reason(a.data.device, grouped=True)
     if reason is None:
         if b.data.dim() == 3:
+            a_data, b_data = a.data.contiguous(), _column_major(b.data)
             sa, sb = a.inv_scale.reshape(-1), b.inv_scale.reshape(b.data.shape[0], -1)
         else:
+            a_data, b_data = _contraction_padded(a.data, b.data)
             sa, sb = a.inv_scale.reshape(-1), b.inv_scale.reshape(-1)
-        return torch._scaled_grouped_mm(a.data.contiguous(), _column_major(b.data), sa, sb, offs=offs,
-                                        out_dtype=out_dtype, use_fast_accum=True)
+        return torch._scaled_grouped_mm(a_data, b_data, sa, sb, offs=offs, out_dtype=out_dtype, use_fast_accum=True)
     _warn_emulated(reason)
     if b.data.dim() == 3:
         return grouped_mm_reference(a.dequantize(), b.dequantize(), offs).to(out_dtype)
