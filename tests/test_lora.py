@@ -12,7 +12,7 @@ import torch
 
 from helpers.hf_fixtures import make_hf_checkpoint
 from helpers.proxy_fixtures import optimizer_steps
-from test_hf import _run, _run_in_one_process
+from test_hf import _run_in_one_process
 
 from models.common.lora import is_adapter_param
 from multimodal.config import ConfigError, load_config, validate
@@ -120,8 +120,10 @@ def test_merged_export_matches_the_lora_model(mcore, tmp_path):
     from multimodal.lora import apply_lora
     from core.seeding import seed_everything
 
+    from scripts import convert_hf
+
     hf_dir = make_hf_checkpoint(tmp_path / "hf", moe=True, tied=False)  # shared expert + GDN + attention
-    _run("scripts/convert_hf.py", "import", "--hf-dir", str(hf_dir), "--out", str(tmp_path / "imported"))
+    convert_hf.do_import(str(hf_dir), str(tmp_path / "imported"), 1, 1, 1)  # in this process, as test_hf_streaming
     m = model_config_from_hf(hf_dir)
     m.attention_backend, m.gdn_backend, m.moe_aux_loss_coeff = "sdpa", "torch", 0.0
     m.lora = LoRAConfig(rank=4, alpha=8.0)
