@@ -48,6 +48,7 @@ class MultimodalModel(MegatronModule):
         self.image_token_id = image_token_id  # the placeholder id(s) vision features replace: image, video
         self.pre_process, self.post_process = pre_process, post_process
         self.share_embeddings_and_output_weights = language_model.share_embeddings_and_output_weights
+        self.received_mtp_embeds = None  # set_input_tensor's share of the previous stage's output
 
     def parameter_group(self, name: str) -> str:
         """The PARAMETER_GROUPS entry of a parameter, by its name in ``named_parameters()``."""
@@ -61,8 +62,29 @@ class MultimodalModel(MegatronModule):
             return "mtp"
         return "language"
 
+    @property
+    def mtp_depth(self) -> int:
+        """The MTP depths the model trains (the language model's ``mtp_num_layers``), on every stage."""
+        return int(getattr(self.language_model, "mtp_num_layers", 0) or 0)
+
+    @property
+    def stage_tokens_per_token(self) -> int:
+        """How many [S, B, H] blocks one pipeline stage sends the next: the hidden states, then
+        with MTP the input embeddings of each depth, which only the first stage can compute
+        (its vision encoder gives the image features) and the last stage's MTP head needs.
+        Megatron's schedule sizes its send and receive buffers by ``seq_length`` times this."""
+        return 1 + self.mtp_depth
+
     def set_input_tensor(self, input_tensor) -> None:
-        self.language_model.set_input_tensor(input_tensor)
+        """The previous stage's output: hidden states for the decoder, then (with MTP) the depths'
+        input embeddings, kept for this stage's MTP head or passed on. Slices of the received
+        tensor, so the backward returns their gradients to the previous stage through it."""
+        received = input_tensor[0] if isinstance(input_tensor, (list, tuple)) else input_tensor
+        self.received_mtp_embeds = None
+        if received is not None and self.mtp_depth and not self.pre_process:
+            blocks = received.chunk(self.stage_tokens_per_token, dim=0)
+            received, self.received_mtp_embeds = blocks[0], list(blocks[1:])
+        self.language_model.set_input_tensor(received)
 
     def shared_embedding_or_output_weight(self):
         return self.language_model.shared_embedding_or_output_weight()
@@ -125,9 +147,15 @@ class MultimodalModel(MegatronModule):
         if self.pre_process:
             decoder_input, features = self._embed(tokens, pixel_values, image_grid_thw, image_feature_index,
                                                   vision_gather)
+        embeds = None
+        if mtp is not None:
+            embeds = self._mtp_embeds(mtp, features) if self.pre_process else self.received_mtp_embeds
+            if embeds is None:
+                raise RuntimeError("MTP: this pipeline stage received no MTP input embeddings; megatron's "
+                                   "schedule must size its buffers by seq_length x stage_tokens_per_token")
         # read once by the language model's post-process (set every forward: none left from a failed one)
-        self.language_model.mtp_batch = None if mtp is None else {**mtp, "embeds": self._mtp_embeds(mtp, features)}
-        return self.language_model(
+        self.language_model.mtp_batch = None if embeds is None or not self.post_process else {**mtp, "embeds": embeds}
+        out = self.language_model(
             input_ids=tokens,
             position_ids=position_ids,
             attention_mask=None,
@@ -136,6 +164,9 @@ class MultimodalModel(MegatronModule):
             packed_seq_params=packed_seq_params,
             padding_mask=self._sequence_parallel_mask(padding_mask),
         )
+        if embeds is not None and not self.post_process:  # the next stage gets them after the hidden states
+            out = torch.cat([out, *embeds], dim=0)
+        return out
 
     def build_schedule_plan(self, tokens, position_ids, **kwargs):
         """What megatron's combined-1F1B schedule runs instead of ``forward`` (parallel.moe_a2a_overlap):

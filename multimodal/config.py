@@ -694,11 +694,10 @@ def _mtp_within_layout(cfg: Config) -> None:
     """model.mtp_num_layers left unset follows the checkpoint's MTP depth (the released ones have
     one), so a fine-tune keeps training the head that speculative decoding uses; where the layout
     cannot run it, it stays 0 and the export copies the untrained head through unchanged."""
-    p, depth = cfg.parallel, cfg.model.mtp_num_layers or 0
-    conflict = "parallel.pp > 1" if p.pp > 1 else "parallel.moe_a2a_overlap=true" if p.moe_a2a_overlap else None
-    if depth and conflict:
-        log.info("model.mtp_num_layers=0: the checkpoint's MTP head (%d layer(s)) does not train under %s; an "
-                 "export copies it through unchanged", depth, conflict)
+    depth = cfg.model.mtp_num_layers or 0
+    if depth and cfg.parallel.moe_a2a_overlap:
+        log.info("model.mtp_num_layers=0: the checkpoint's MTP head (%d layer(s)) does not train under "
+                 "parallel.moe_a2a_overlap=true; an export copies it through unchanged", depth)
         depth = 0
     cfg.model.mtp_num_layers = depth
 

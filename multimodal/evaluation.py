@@ -45,7 +45,7 @@ from data.loader import MicroBatchIterator
 from data.registry import build_dataset
 from multimodal import checkpointing
 from multimodal.context_parallel import sequence_pad_multiple
-from multimodal.forward_step import chunk_iterators
+from multimodal.forward_step import chunk_iterators, schedule_seq_length
 from multimodal.transforms import graphs_of
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,8 @@ class Evaluator:
             with torch.no_grad():
                 for _ in range(self.iters):
                     outputs = self.fwd(forward_step_func=self.step, data_iterator=rows, model=trainer.ddp,
-                                       num_microbatches=trainer.num_microbatches, seq_length=self.cfg.train.seq_length,
+                                       num_microbatches=trainer.num_microbatches,
+                                       seq_length=schedule_seq_length(trainer.ddp, self.cfg.train.seq_length),
                                        micro_batch_size=self.cfg.train.micro_batch_size, forward_only=True)
                     for out in outputs:  # (none on pipeline stages without the loss)
                         report += out["lm loss"]

@@ -99,6 +99,13 @@ def _unwrap(model):
     return model
 
 
+def schedule_seq_length(chunks: list, seq_length: int) -> int:
+    """``seq_length`` for megatron's schedule, which sizes the buffers of what one pipeline stage
+    sends the next by it: ``stage_tokens_per_token`` blocks of the sequence (hidden states, then
+    the MTP input embeddings; models/base.py)."""
+    return seq_length * getattr(_unwrap(chunks[0]), "stage_tokens_per_token", 1)
+
+
 class ForwardStep:
     """Callable for megatron's forward_backward_func; records host-side batch stats."""
 
@@ -127,7 +134,8 @@ class ForwardStep:
         stats = {k: batch[k] for k in ("sample_lengths", "num_real_tokens", "image_grid_thw")}
         loss_tokens = int((batch["loss_mask"] != 0).sum())  # of the whole micro-batch, before any CP split
         lm = getattr(_unwrap(model), "language_model", None)
-        mtp_depth = len(lm.mtp.layers) if getattr(lm, "mtp", None) is not None else 0
+        # every stage: the first embeds the shifted tokens, the last scores them (models/base.py)
+        mtp_depth = getattr(_unwrap(model), "mtp_depth", 0)
         # shifted on the whole micro-batch, before the CP split: no shift ever crosses a chunk
         shifted = shift_batch(batch, mtp_depth, self.image_token_id) if mtp_depth else None
         if self.cp_size > 1:  # every CP rank read the same micro-batch; keep this rank's chunks

@@ -40,7 +40,7 @@ from multimodal.config import Config
 from multimodal.context_parallel import sequence_pad_multiple
 from multimodal.evaluation import Evaluator
 from multimodal.flops import device_peak_tflops
-from multimodal.forward_step import ForwardStep, chunk_iterators
+from multimodal.forward_step import ForwardStep, chunk_iterators, schedule_seq_length
 from multimodal.nonfinite import NonFiniteGuard, weights_finite
 from multimodal.observability import oom_advice
 from multimodal.observability.memory import MemoryTools
@@ -302,7 +302,8 @@ class Trainer:
         self.optimizer.zero_grad()
         self.step.batches = []  # this step's micro-batches alone feed its FLOP and token counts
         outputs = self.fwd_bwd(forward_step_func=self.step, data_iterator=self.data_iterator, model=self.ddp,
-                               num_microbatches=self.num_microbatches, seq_length=t.seq_length,
+                               num_microbatches=self.num_microbatches,
+                               seq_length=schedule_seq_length(self.ddp, t.seq_length),
                                micro_batch_size=t.micro_batch_size, forward_only=False)
         _, grad_norm, _ = self.optimizer.step()
         step_report = torch.zeros_like(self.report)

@@ -10,6 +10,10 @@ turn) trains, 4 steps each, with megatron's distributed optimizer:
 - MoE proxy, TP=2 (sequence parallel) x EP=2 with expert TP=2 (megatron's expert TP follows
   ``parallel.tp``): DP=4, expert DP=2.
 
+Every model trains one MTP depth: its input embeddings (image features included) travel from the
+first pipeline stage to the last after the hidden states, and its loss (``mtp_loss``) must agree
+too.
+
 In this process the Trainer trains one reference per proxy (megatron's no-pipelining schedule),
 shared by the runs of that proxy. Every run starts from its own layout-independent init of the same
 seed. Each step's loss must agree within 1e-5 and its gradient norm within 1e-5 relative, with the
@@ -40,7 +44,9 @@ ROOT = Path(__file__).resolve().parents[1]
 COMMON = [f"train.iters={STEPS}", "checkpoint.dir=null", "model.attention_backend=sdpa", "model.gdn_backend=torch",
           "logging.progress_bar=false", "logging.tensorboard=false", "train.global_batch_size=4",
           "data.mock.max_images=1", "data.mock.max_image_side=64", "data.mock.min_text_tokens=24",
-          "data.mock.max_text_tokens=32", "data.loader.pad_multiple=4", "data.loader.pack_lookahead=0"]
+          "data.mock.max_text_tokens=32", "data.loader.pad_multiple=4", "data.loader.pack_lookahead=0",
+          # the MTP head on the last stage, its input embeddings sent from the first (models/base.py)
+          "model.mtp_num_layers=1"]
 # samples padded to 4 are 40-52 tokens long (checked below): 2 always fit in 112, 3 never;
 # 1 always fits in 64, 2 never
 TWO_PER_ROW, ONE_PER_ROW = 112, 64

@@ -37,6 +37,9 @@ class Qwen35LanguageModel(FusedLossGPTModel):
     def __init__(self, *args, rot_dim: int, rope_theta: float, mrope_section: list[int], interleaved: bool,
                  mtp_num_layers: int = 0, mtp_layer_spec=None, **kw):
         super().__init__(*args, position_embedding_type="none", **kw)
+        # every pipeline stage knows the depth: the first computes the MTP input embeddings, the
+        # middle ones pass them on (models/base.py)
+        self.mtp_num_layers = mtp_num_layers
         if mtp_num_layers and self.post_process:  # with the LM head, whose weight it shares
             self.mtp = MTPBlock(self.config, mtp_layer_spec, mtp_num_layers)
         self.register_buffer("mrope_inv_freq", inverse_frequencies(rot_dim, rope_theta), persistent=False)

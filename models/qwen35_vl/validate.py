@@ -54,8 +54,6 @@ def validate(m: ModelConfig, p) -> None:
             "model.freeze: every group is frozen (there is no MTP head, model.mtp_num_layers=0), nothing "
             "would train; leave at least one out")
     if m.mtp_num_layers:
-        require(p.pp == 1, f"model.mtp_num_layers={m.mtp_num_layers} runs on one pipeline stage only: set "
-                "parallel.pp=1 (or model.mtp_num_layers=0 to train without the MTP head)")
         require(not getattr(p, "moe_a2a_overlap", False),
                 "model.mtp_num_layers > 0 does not run under parallel.moe_a2a_overlap=true: set one of them off")
     v = m.vision
