@@ -98,7 +98,7 @@ def model_config_of_checkpoint(ckpt: Path, recipe: str | None) -> ModelConfig:
         family = get_model_family(recorded.get("name") or DEFAULT_MODEL)
     else:
         family = family_for_hf_config(ckpt / HF_CONFIG_FILE)
-    from multimodal.config import _build as build_dataclass
+    from multimodal.recipe_reader import build_section as build_dataclass
 
     base = build_dataclass(family.config_class, recorded, "model.") if recorded is not None else None
     if has_hf:  # the shapes from the HF config; what the run chose (model.mtp_num_layers) from the record
@@ -108,7 +108,7 @@ def model_config_of_checkpoint(ckpt: Path, recipe: str | None) -> ModelConfig:
 
 def lora_config_of_checkpoint(ckpt: Path, recipe: str | None):
     """The ``model.lora`` a checkpoint was trained with: --config, else its model_config.json."""
-    from multimodal.config import _build as build_dataclass
+    from multimodal.recipe_reader import build_section as build_dataclass
 
     if recipe:
         lora = load_config(recipe).model.lora

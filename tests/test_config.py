@@ -239,10 +239,10 @@ def test_dataset_names_are_read_from_the_registry(monkeypatch):
 @pytest.fixture
 def deprecations(monkeypatch, caplog):
     """The deprecation lines logged from here on (the once-per-process memory starts empty)."""
-    import multimodal.config as config
+    import multimodal.recipe_reader as reader
 
-    monkeypatch.setattr(config, "_deprecations_logged", set())
-    caplog.set_level("WARNING", logger="multimodal.config")
+    monkeypatch.setattr(reader, "_deprecations_logged", set())
+    caplog.set_level("WARNING", logger="multimodal.recipe_reader")
     return lambda: [r.getMessage() for r in caplog.records if "is deprecated" in r.getMessage()]
 
 
