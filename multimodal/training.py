@@ -30,8 +30,21 @@ __all__ = ["TrainResult", "Trainer", "build_model_and_optimizer", "check_gradien
 log = logging.getLogger(__name__)
 
 
+def _forget_earlier_runs() -> None:
+    """megatron-core keeps process-global state from one run to the next: the parallel groups, and
+    the MoE aux-loss scale, a tensor whose shape the first run fixed (a later run's copy into it
+    fails). A run in a process that already ran one (a notebook, a conversion called first, the
+    test suite) starts from neither."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler  # noqa: PLC0415
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+
+
 def train(cfg: Config) -> TrainResult:
     rt = init_distributed()
+    _forget_earlier_runs()
     if cfg.parallel.moe_a2a_overlap and not rt.is_cuda and not platform.CPU_STREAM_STAND_INS:
         raise ConfigError("parallel.moe_a2a_overlap=true needs GPUs: megatron-core runs the overlapped "
                           "all-to-alls on their own CUDA streams; set parallel.moe_a2a_overlap=false here")

@@ -25,15 +25,31 @@ def mcore():
     from multimodal.platform import init_distributed
 
     rt = init_distributed()
-    ps.initialize_model_parallel(1, 1)
+    if not ps.model_parallel_is_initialized():  # (an in-process run before may have left it, below)
+        ps.initialize_model_parallel(1, 1)
     yield rt
     ps.destroy_model_parallel()
+
+
+@pytest.fixture(autouse=True)
+def _model_parallel_state_after_an_in_process_run():
+    """A training run in this process (multimodal.training.train) sets up its own megatron parallel
+    state and tears it down at the end; the tests after it on ``mcore`` find the size-1 state again."""
+    yield
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is None:
+        return
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() == 1 and not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(1, 1)
 
 
 @pytest.fixture(scope="session")
 def clipped_proxy_runs(tmp_path_factory):
     """4 steps of the proxy with a small clip_grad (clipping acts on every step) under each
-    optimizer path that tests/test_multi_tensor.py and tests/test_flat_adamw.py compare, one after
+    optimizer path that tests/test_multi_tensor.py, tests/test_flat_adamw.py and
+    tests/test_overlap_update.py compare, one after
     another in one process of the entry point (tests/test_training.py's worker). ``default``: the
     CPU default, torch's fused AdamW with the gradient scale deferred into it. Returns
     rows(name): that run's metrics rows in step order."""
@@ -47,6 +63,8 @@ def clipped_proxy_runs(tmp_path_factory):
         "passes": [*common, "optimizer.defer_grad_scaling=false"],
         "flat": [*common, "optimizer.flat=true"],
         "not_flat": [*common, "optimizer.flat=false"],
+        "overlap": [*common, "optimizer.flat=true", "optimizer.overlap_step=true", "optimizer.overlap_step_pieces=5"],
+        "no_overlap": [*common, "optimizer.flat=true", "optimizer.overlap_step=false"],
     })
     return lambda name: [r for _, r in sorted(rows(name).items())]
 

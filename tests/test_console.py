@@ -47,4 +47,6 @@ def test_a_captured_run_prints_step_lines_without_bar_redraws(tmp_path):
     assert proc.stdout.startswith("step      1 | loss ")
     assert "\r" not in proc.stdout + proc.stderr
     assert "UserWarning" not in proc.stderr and "dependency warnings held back" in proc.stderr
-    assert len(proc.stderr.splitlines()) <= 15, proc.stderr
+    # the set-up lines (platform, transforms, kernels, model, data), step 1's start-up time and rows
+    # read, the summary and the held-back count: 16 on this CPU run, and no more
+    assert len(proc.stderr.splitlines()) <= 16, proc.stderr

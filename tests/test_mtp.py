@@ -268,12 +268,13 @@ def test_flops_count_the_mtp_matmuls_torch_counts(mcore):
     batch = _packed(cfg, _samples(cfg))
 
     def matmul_flops(with_mtp: bool) -> int:
-        lm = model.language_model
-        mtp, lm.mtp = lm.mtp, (lm.mtp if with_mtp else None)
+        lm = model.language_model  # the head and the depth every stage reads, off together
+        mtp, depth = lm.mtp, lm.mtp_num_layers
+        lm.mtp, lm.mtp_num_layers = (mtp, depth) if with_mtp else (None, 0)
         counter = FlopCounterMode(display=False)
         with counter, torch.no_grad():
             _run(cfg, model, batch)
-        lm.mtp = mtp
+        lm.mtp, lm.mtp_num_layers = mtp, depth
         ops = counter.get_flop_counts()["Global"]
         return sum(v for op, v in ops.items() if "mm" in str(op))
 

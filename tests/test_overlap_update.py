@@ -115,14 +115,10 @@ def test_config_refuses_overlap_it_cannot_run(overrides, words):
 
 
 @pytest.mark.slow
-def test_trainer_with_the_step_overlapped_trains_bit_for_bit_like_without(tmp_path):
+def test_trainer_with_the_step_overlapped_trains_bit_for_bit_like_without(clipped_proxy_runs):
     """The entry point, flat AdamW (its PyTorch reference here) with and without the overlap,
     clipping active; the log steps' parameter norm goes through ``behind_update``."""
-    from test_multi_tensor import _train
-
-    overlapped = _train(tmp_path, "overlap", "optimizer.flat=true", "optimizer.overlap_step=true",
-                        "optimizer.overlap_step_pieces=5")
-    plain = _train(tmp_path, "plain", "optimizer.flat=true", "optimizer.overlap_step=false")
+    overlapped, plain = clipped_proxy_runs("overlap"), clipped_proxy_runs("no_overlap")
     assert len(overlapped) == 4 and all(r["grad_norm"] > 0.05 for r in overlapped)
     for a, b in zip(overlapped, plain):
         for key in ("loss", "grad_norm", "param_norm"):

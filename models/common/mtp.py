@@ -66,7 +66,7 @@ class MTPLayer(MegatronModule):
     """One MTP depth: enorm, hnorm, eh_proj [H, 2H] (input [embedding, hidden]), one decoder layer,
     final_layernorm: the names of megatron's MultiTokenPredictionLayer."""
 
-    def __init__(self, config, layer_spec, layer_number: int):
+    def __init__(self, config, layer_spec, layer_number: int, vp_stage: int | None = None):
         super().__init__(config=config)
         h, eps = config.hidden_size, config.layernorm_epsilon
         self.enorm = RMSNorm(config=config, hidden_size=h, eps=eps)
@@ -74,7 +74,8 @@ class MTPLayer(MegatronModule):
         # column-parallel like megatron's eh_proj: under SP it gathers the sequence itself
         self.eh_proj = ColumnParallelLinear(2 * h, h, config=config, init_method=config.init_method,
                                             gather_output=False, bias=False, skip_bias_add=False)
-        self.transformer_layer = build_module(layer_spec, config=config, layer_number=layer_number)
+        # vp_stage: megatron's layer asks for it under virtual pipeline stages (its layer offset)
+        self.transformer_layer = build_module(layer_spec, config=config, layer_number=layer_number, vp_stage=vp_stage)
         self.final_layernorm = RMSNorm(config=config, hidden_size=h, eps=eps)
 
     def forward(self, hidden, emb, rotary_pos_emb=None, packed_seq_params=None, padding_mask=None):
@@ -93,11 +94,11 @@ class MTPBlock(MegatronModule):
     """``num_layers`` MTP depths; depth k reads depth k-1's output (after its final norm), as
     vLLM chains its draft steps and megatron its MTP layers."""
 
-    def __init__(self, config, layer_spec, num_layers: int):
+    def __init__(self, config, layer_spec, num_layers: int, vp_stage: int | None = None):
         super().__init__(config=config)
         # layer_number 1..D: the MTP layers keep their own numbering, as megatron's do (the MoE
         # aux-loss tracker is sized by the decoder's layer count)
-        self.layers = torch.nn.ModuleList(MTPLayer(config, layer_spec, k + 1) for k in range(num_layers))
+        self.layers = torch.nn.ModuleList(MTPLayer(config, layer_spec, k + 1, vp_stage) for k in range(num_layers))
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None):
         """Each layer's own sharded state dict: megatron's default treats a ModuleList as plain

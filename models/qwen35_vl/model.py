@@ -41,7 +41,7 @@ class Qwen35LanguageModel(FusedLossGPTModel):
         # middle ones pass them on (models/base.py)
         self.mtp_num_layers = mtp_num_layers
         if mtp_num_layers and self.post_process:  # with the LM head, whose weight it shares
-            self.mtp = MTPBlock(self.config, mtp_layer_spec, mtp_num_layers)
+            self.mtp = MTPBlock(self.config, mtp_layer_spec, mtp_num_layers, vp_stage=self.vp_stage)
         self.register_buffer("mrope_inv_freq", inverse_frequencies(rot_dim, rope_theta), persistent=False)
         self.register_buffer(
             "mrope_axis", axis_of_frequency(rot_dim // 2, mrope_section, interleaved), persistent=False

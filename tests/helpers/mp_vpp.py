@@ -21,10 +21,8 @@ def train_in_process(config: str, overrides: list[str]):
     from megatron.core import parallel_state as ps
 
     from multimodal.config import load_config
-    from multimodal.training import train
+    from multimodal.training import train  # which first drops the state an earlier run left
 
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
     try:
         return train(load_config(config, overrides))
     finally:
