@@ -313,9 +313,16 @@ def stage_memory(cfg: Config, lay: Layout, sp_: StageParams, overhead_gib: float
         chunks = chunk_params(m, lay, sp_.stage)
         act = sum(per_microbatch(c.layers, sp_.stage == 0 and v == 0) * n for v, (c, n) in enumerate(zip(chunks, held)))
         in_flight = sum(held)
+        received = in_flight - (held[0] if sp_.stage == 0 else 0)  # micro-batches a chunk got from another stage
     else:
         in_flight = lay.in_flight(sp_.stage)
         act = per_microbatch(sp_.layers, sp_.stage == 0) * in_flight
+        received = in_flight if sp_.stage > 0 else 0
+    depth = getattr(m, "mtp_num_layers", 0) or 0
+    if depth and lay.pp > 1:
+        # the MTP input embeddings travel after the hidden states (models/base.py): the tensor a
+        # stage received is kept for its backward, one [S, B, H] block more per depth
+        act += received * tokens * depth * m.hidden_size * BF16 / (lay.tp if lay.sequence_parallel else 1)
     if getattr(t, "fp8", None):  # the per-GEMM fp8 casts of train.fp8, one GEMM at a time
         act += fp8_transient_bytes(m, tokens, lay.tp)
     if sp_.stage == lay.pp - 1:

@@ -308,3 +308,26 @@ def test_mtp_depth_follows_the_hf_checkpoint_unless_set(tmp_path):
     # pipeline stages pass the MTP inputs on (models/base.py): pp=2 trains the head too
     assert depth == {("unset", 1): 1, ("off", 1): 0, ("pp2", 1): 1, ("overlap", 1): 0,
                      ("unset", 0): 0, ("off", 0): 0, ("pp2", 0): 0, ("overlap", 0): 0}
+
+
+def test_dry_run_counts_the_mtp_embeddings_a_pipeline_stage_receives():
+    """Under pp=2 the MTP input embeddings travel with the hidden states; the last stage keeps the
+    tensor it received for each micro-batch in flight: one [S, B, H] block more per depth, beside
+    the MTP layers' own activations. The first stage's activations do not change."""
+    from models import get_model_family
+    from multimodal.config import load_config, resolve_sources
+    from multimodal.dry_run import BF16, GIB, check_layout, rank_params, stage_memory
+
+    acts = {}
+    for depth in (0, 2):
+        cfg = resolve_sources(load_config("configs/qwen35_vl_proxy.yaml", [
+            f"model.mtp_num_layers={depth}", "parallel.pp=2", "train.global_batch_size=8"]))
+        lay, _ = check_layout(cfg, 2)
+        acts[depth] = [stage_memory(cfg, lay, rank_params(cfg.model, lay, s)).activations for s in (0, 1)]
+    t, h = cfg.train, cfg.model.hidden_size
+    tokens, held = t.micro_batch_size * t.seq_length, lay.in_flight(1)
+    per_token = get_model_family(cfg.model.name).activation_bytes_per_token(cfg.model, lay)["mtp"]
+    received = 2 * held * tokens * h * BF16 / GIB
+    layers = 2 * held * tokens * per_token / GIB
+    assert acts[2][0] == acts[0][0]
+    assert acts[2][1] - acts[0][1] == pytest.approx(received + layers, rel=1e-9)
