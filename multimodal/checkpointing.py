@@ -28,7 +28,6 @@ import queue
 import random
 import shutil
 import time
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +39,11 @@ from megatron.core import parallel_state as ps
 from models.common.lora import is_adapter_param
 from models.common.virtual_pipeline import as_one_module
 from multimodal import checkpoint_checks as checks
-from core.errors import CheckpointError, ConfigError, DiskFullError, IncompleteCheckpoint, one_line
+# the folder's side (which checkpoints it holds, which to load or prune, may this run write there),
+# re-exported: callers use the checkpoint API from here
+from multimodal.checkpoint_dir import (check_free_space, check_writable, prune, resolve, start_run,  # noqa: F401
+                                       trainer_state)
+from core.errors import CheckpointError, DiskFullError, one_line
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +243,7 @@ def _commit(root: Path, tmp: Path, final: Path, trainer: dict, meta_files: dict[
         latest_tmp = root / "latest.tmp"
         latest_tmp.write_text(final.name)
         os.replace(latest_tmp, root / "latest")
-        _prune(root, keep_last, final, trainer.get("lineage"))
+        prune(root, keep_last, final, trainer.get("lineage"))
         log.info("saved checkpoint %s", final)
     dist.barrier()
 
@@ -345,100 +348,6 @@ def _rank_file_for(path: Path, trainer: dict) -> tuple[Path | None, bool]:
     return (source if source.is_file() else None), False
 
 
-def _iteration_of(path: Path) -> int | None:
-    try:
-        return int(path.name[len("iter_"):])
-    except ValueError:
-        return None
-
-
-def _complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
-    """(iteration, path) of every complete checkpoint directory in ``root``, by iteration."""
-    out = []
-    for p in root.glob("iter_*"):
-        it = _iteration_of(p)
-        if it is not None and p.is_dir() and (p / "trainer_state.json").is_file():
-            out.append((it, p))
-    return sorted(out)
-
-
-def _prune(root: Path, keep_last: int, newest: Path | None = None, lineage: list | None = None) -> None:
-    """Keep the newest ``keep_last`` checkpoints of this run's lineage (by iteration number), and
-    always: the one just written, the one ``latest`` names, the newest one whose weights were
-    checked finite and the newest one whose loss and grad norm were normal. Checkpoints of other
-    runs (another lineage, e.g. left by an earlier run with checkpoint.overwrite=true) and those
-    past the one just written (a resume from an earlier checkpoint) are never pruned."""
-    if keep_last <= 0:
-        return
-    mine = set(lineage) if lineage else {None}  # None: checkpoints written without a lineage
-    top = _iteration_of(newest) if newest is not None else None
-    done = []
-    for it, p in _complete_checkpoints(root):
-        state = _trainer_state(p)
-        if state.get("run_id") in mine and (top is None or it <= top):
-            done.append((p, state))
-    keep = {p for p, _ in done[-keep_last:]}
-    keep |= {p for p, _ in [d for d in done if d[1].get("finite")][-1:]}
-    keep |= {p for p, _ in [d for d in done if d[1].get("normal", True) and d[1].get("finite")][-1:]}
-    if newest is not None:
-        keep.add(newest)
-    marker = root / "latest"
-    if marker.is_file():
-        keep.add(root / marker.read_text().strip())
-    for old, _ in done:
-        if old not in keep:
-            shutil.rmtree(old)
-
-
-def start_run(ckpt_dir: str | None, load_path: Path | None, overwrite: bool = False) -> dict:
-    """This run's lineage (its id and its ancestors', stored in each checkpoint's trainer state:
-    pruning deletes only checkpoints of the lineage), after checking that ``checkpoint.dir`` holds
-    no other run's checkpoints unless the run resumes from it or ``checkpoint.overwrite=true``."""
-    run_id = uuid.uuid4().hex[:12]
-    ancestors = []
-    if load_path is not None:
-        state = _trainer_state(load_path)
-        ancestors = state.get("lineage") or [state.get("run_id")]
-    if ckpt_dir:
-        root = Path(ckpt_dir)
-        existing = _complete_checkpoints(root) if root.is_dir() else []
-        inside = load_path is not None and Path(load_path).resolve().parent == root.resolve()
-        if existing and not inside:
-            names = f"{len(existing)} checkpoint(s), newest {existing[-1][1].name}"
-            if not overwrite:
-                raise ConfigError(
-                    f"checkpoint.dir={ckpt_dir} already holds another run's checkpoints ({names}) and this run "
-                    "does not resume from them; resume with checkpoint.load=latest, choose another checkpoint.dir, "
-                    "or set checkpoint.overwrite=true to write into it anyway")
-            log.warning("checkpoint.overwrite=true: %s holds another run's checkpoints (%s); this run writes "
-                        "beside them, replaces those with the same step numbers, never prunes the others, and "
-                        "moves 'latest' to its own", ckpt_dir, names)
-    return {"run_id": run_id, "lineage": [*ancestors, run_id]}
-
-
-def check_writable(ckpt_dir: str) -> None:
-    """Refuse, before anything is built, a checkpoint.dir this process cannot create or write."""
-    root = Path(ckpt_dir)
-    probe = root / f".write_probe_{os.getpid()}"
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"ok")
-        probe.unlink()
-    except OSError as e:
-        raise CheckpointError(f"checkpoint.dir={ckpt_dir} is not writable ({type(e).__name__}: {one_line(e)}); "
-                              "point checkpoint.dir at a writable folder, or set checkpoint.dir=null to "
-                              "train without checkpoints") from e
-
-
-def check_free_space(ckpt_dir: str, need: int, what: str) -> None:
-    """Refuse a run whose checkpoint.dir has no room for one checkpoint (``need`` bytes, estimated)."""
-    free = checks.free_bytes(ckpt_dir)
-    if free is not None and free < need:
-        raise DiskFullError(f"checkpoint.dir={ckpt_dir} has {free / 2**20:.1f} MiB free, one checkpoint needs about "
-                            f"{need / 2**20:.1f} MiB ({what}); free space there, point checkpoint.dir elsewhere "
-                            "or set checkpoint.dir=null")
-
-
 def estimate_bytes(model, world_size: int) -> tuple[int, str]:
     """About the bytes of one training checkpoint of every rank together, from the parameter
     counts (weights in their dtype; for trainable ones fp32 main copies unless fp32 already, and
@@ -451,43 +360,6 @@ def estimate_bytes(model, world_size: int) -> tuple[int, str]:
     count = sum(p.numel() for p in model.parameters())
     return (weights + state) * model_parallel, (f"{count / 1e6:.1f}M parameters per rank x {model_parallel} "
                                                 "model-parallel rank(s): weights, fp32 main copies, Adam moments")
-
-
-def trainer_state(path: Path) -> dict:
-    """A checkpoint's trainer_state.json ({} when unreadable)."""
-    return _trainer_state(path)
-
-
-def _trainer_state(path: Path) -> dict:
-    try:
-        return json.loads((path / "trainer_state.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def resolve(load: str, ckpt_dir: str | None) -> Path | None:
-    """Path of the checkpoint to load, or None when 'latest' finds nothing (fresh start, said in one
-    line). An explicit path that is not a complete checkpoint is refused (before anything is built)."""
-    if load == "latest":
-        marker = Path(ckpt_dir) / "latest"
-        if not marker.is_file():
-            why = "the folder does not exist" if not Path(ckpt_dir).is_dir() else "it has no 'latest' file"
-            log.info("checkpoint.load=latest: no checkpoint in %s (%s); starting from step 0", ckpt_dir, why)
-            return None
-        path = Path(ckpt_dir) / marker.read_text().strip()
-    else:
-        path = Path(load)
-        if not path.exists():
-            raise IncompleteCheckpoint(f"checkpoint.load={load}: no such file or directory; point it at an "
-                                  "iter_XXXXXXX directory, a checkpoint.dir, or use checkpoint.load=latest")
-        if (path / "latest").is_file():  # a checkpoint.dir was given: take its newest
-            path = path / (path / "latest").read_text().strip()
-    if not (path / "trainer_state.json").is_file():
-        raise IncompleteCheckpoint(
-            f"{path} is not a complete checkpoint (no trainer_state.json); "
-            "point checkpoint.load at an iter_XXXXXXX directory or a checkpoint.dir with a 'latest' file"
-        )
-    return path
 
 
 def save_weights(ckpt_dir: str | Path, model, extra: dict | None = None,

@@ -185,17 +185,17 @@ def test_pruning_keeps_what_this_run_wrote_and_never_leaves_latest_dangling(tmp_
     old = [_fake_checkpoint(tmp_path, it, "old") for it in (4, 8)]
     mine = [_fake_checkpoint(tmp_path, it, "new", lineage=["new"]) for it in (1, 2)]
     (tmp_path / "latest").write_text(mine[-1].name)
-    checkpointing._prune(tmp_path, 1, mine[-1], ["new"])
+    checkpointing.prune(tmp_path, 1, mine[-1], ["new"])
     assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000002", "iter_0000004", "iter_0000008"]
     assert (tmp_path / (tmp_path / "latest").read_text()).is_dir()
     # a resumed run (lineage old -> new2) from iter_0000004: prunes its lineage up to its own step
     # (the older run's iter_0000004 goes at keep_last=1), keeps iter_0000008 (past it) and the others'
     _fake_checkpoint(tmp_path, 6, "new2")
-    checkpointing._prune(tmp_path, 1, tmp_path / "iter_0000006", ["old", "new2"])
+    checkpointing.prune(tmp_path, 1, tmp_path / "iter_0000006", ["old", "new2"])
     assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000002", "iter_0000006", "iter_0000008"]
     # the newest checkpoint with normal losses is kept whatever keep_last says
     _fake_checkpoint(tmp_path, 7, "new2", normal=False)
-    checkpointing._prune(tmp_path, 1, tmp_path / "iter_0000007", ["old", "new2"])
+    checkpointing.prune(tmp_path, 1, tmp_path / "iter_0000007", ["old", "new2"])
     assert sorted(p.name for p in tmp_path.glob("iter_*")) == ["iter_0000002", "iter_0000006", "iter_0000007",
                                                                "iter_0000008"]
     assert old[1].is_dir()
