@@ -25,10 +25,14 @@ from core import console
 console.quiet_dependency_warnings("--verbose" in sys.argv)
 
 from core.errors import ConfigError, TrainingError, one_line  # noqa: E402
-from multimodal.config import config_to_yaml, load_config, resolve_sources, validate  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
+    # imported here, not at the top: a process that multiprocessing spawns (megatron's asynchronous
+    # checkpoint writer and its results queue) re-runs this file's top level, and would otherwise
+    # import torch and megatron again before doing anything
+    from multimodal.config import config_to_yaml, load_config, resolve_sources, validate  # noqa: PLC0415
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="YAML recipe under configs/")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")

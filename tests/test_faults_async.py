@@ -37,8 +37,31 @@ tr._Window.add = add
 """
 
 
-# the save at step 4 is still being written when the run kills itself (SIGKILL) in step 6
-SLOW_WRITE_THEN_KILL = _slow_write_then("SIGKILL", 6, 600)
+# every save after the first writes for 10 minutes; the run kills itself (SIGKILL) at the first step
+# that finds one of them begun (its .tmp folder). Not a fixed step: how long the first write takes
+# (and so when the deferred second save starts) depends on the machine.
+SLOW_SECOND_SAVE_THEN_KILL = """
+import functools, os, signal, sys, time
+from pathlib import Path
+from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
+real = fa._write_item
+@functools.wraps(real)
+def slow(*args, **kwargs):
+    stream = next(a for a in args if hasattr(a, "write"))
+    if "iter_0000002" not in str(getattr(stream, "name", "")) and not getattr(slow, "slept", False):
+        slow.slept = True
+        time.sleep(600)
+    return real(*args, **kwargs)
+fa._write_item = slow
+import multimodal.training as tr
+real_add = tr._Window.add
+def add(self, batches, model_cfg):
+    ck = Path(next(a.split("=", 1)[1] for a in sys.argv if a.startswith("checkpoint.dir=")))
+    if any(p.name != "iter_0000002.tmp" for p in ck.glob("iter_*.tmp")):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_add(self, batches, model_cfg)
+tr._Window.add = add
+"""
 # the save at step 4 takes a few seconds in its writer process; SIGTERM arrives in step 5
 SLOW_WRITE_THEN_SIGTERM = _slow_write_then("SIGTERM", 5, 5)
 
@@ -58,11 +81,12 @@ def test_async_saves_complete_and_resume(tmp_path):
 
 def test_kill_during_an_async_save_keeps_the_previous_latest(tmp_path):
     ck = tmp_path / "ck"
-    run = run_cli(tmp_path, "train.iters=8", "checkpoint.interval=2", f"checkpoint.dir={ck}",
-                  "checkpoint.async_save=true", prelude=SLOW_WRITE_THEN_KILL)
+    run = run_cli(tmp_path, "train.iters=40", "checkpoint.interval=2", f"checkpoint.dir={ck}",
+                  "checkpoint.async_save=true", prelude=SLOW_SECOND_SAVE_THEN_KILL)
     assert run.rc == -9, run.stderr[-3000:]
     assert (ck / "latest").read_text() == "iter_0000002"
-    assert not (ck / "iter_0000004").exists()  # only its .tmp, never loaded
+    assert [p.name for p in ck.glob("iter_*") if not p.name.endswith(".tmp")] == ["iter_0000002"]
+    assert len(list(ck.glob("iter_*.tmp"))) == 1  # the second save's: only its .tmp, never loaded
     assert manifest_problem(ck / "iter_0000002") is None
     resumed = run_cli(tmp_path / "b", "train.iters=3", f"checkpoint.dir={ck}", "checkpoint.load=latest",
                       "checkpoint.async_save=true")
