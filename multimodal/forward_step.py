@@ -128,20 +128,21 @@ class ForwardStep:
         forward later, interleaved with another micro-batch's backward) and megatron applies the
         same loss closure to the plan's output."""
         batch = next(data_iterator)
+        inner = _unwrap(model)
         # with virtual stages each chunk runs every micro-batch: one chunk a rank counts it (the last,
         # which on the last rank holds the LM head and MTP, as a rank without virtual stages does)
-        records = getattr(_unwrap(model), "counts_batches", True)
+        records = getattr(inner, "counts_batches", True)
         stats = {k: batch[k] for k in ("sample_lengths", "num_real_tokens", "image_grid_thw")}
         loss_tokens = int((batch["loss_mask"] != 0).sum())  # of the whole micro-batch, before any CP split
-        lm = getattr(_unwrap(model), "language_model", None)
+        lm = getattr(inner, "language_model", None)
         # every stage: the first embeds the shifted tokens, the last scores them (models/base.py)
-        mtp_depth = getattr(_unwrap(model), "mtp_depth", 0)
+        mtp_depth = getattr(inner, "mtp_depth", 0)
         # shifted on the whole micro-batch, before the CP split: no shift ever crosses a chunk
         shifted = shift_batch(batch, mtp_depth, self.image_token_id) if mtp_depth else None
         if self.cp_size > 1:  # every CP rank read the same micro-batch; keep this rank's chunks
             batch = partition_batch(batch, self.cp_size, self.cp_rank, self.image_token_id,
                                     split_vision=self.cp_split_vision, merge=self.merge)
-        b = to_device(batch, self.device, self.pixel_dtype, with_pixels=getattr(_unwrap(model), "pre_process", True),
+        b = to_device(batch, self.device, self.pixel_dtype, with_pixels=getattr(inner, "pre_process", True),
                       row_extras=self.row_extras)
         params = packed_seq_params(b, self.cp_group)
         # packed (or CP-split) batches have PackedRowParams, which carry the loss-token indices

@@ -49,8 +49,8 @@ def _model_parallel_state_after_an_in_process_run():
 def clipped_proxy_runs(tmp_path_factory):
     """4 steps of the proxy with a small clip_grad (clipping acts on every step) under each
     optimizer path that tests/test_multi_tensor.py, tests/test_flat_adamw.py and
-    tests/test_overlap_update.py compare, one after
-    another in one process of the entry point (tests/test_training.py's worker). ``default``: the
+    tests/test_overlap_update.py compare, one after another in one process of the entry point
+    (tests/test_training.py's worker). ``default``: the
     CPU default, torch's fused AdamW with the gradient scale deferred into it. Returns
     rows(name): that run's metrics rows in step order."""
     from test_training import _train_in_one_process
