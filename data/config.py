@@ -40,6 +40,10 @@ class MockConfig:
     min_text_tokens: int = 16  # prompt tokens per sample, drawn in [min_text_tokens, max_text_tokens]
     max_text_tokens: int = 96  # prompt tokens per sample, at most
     num_classes: int = 16  # image classes, each with its own answer
+    # Zipf text (like the prompt's) appended to every reply and supervised: a language-modelling
+    # load on top of the few class-answer tokens, for loss comparisons that need many supervised
+    # tokens per step (0: replies are the class answer alone)
+    reply_text_tokens: int = 0
 
     def validate(self) -> None:
         _require(self.num_samples >= 1, f"data.mock.num_samples must be >= 1, got {self.num_samples}")
@@ -47,6 +51,8 @@ class MockConfig:
         _require(1 <= self.min_text_tokens <= self.max_text_tokens,
                  "data.mock.min_text_tokens must be in [1, data.mock.max_text_tokens]")
         _require(self.num_classes >= 1, f"data.mock.num_classes must be >= 1, got {self.num_classes}")
+        _require(self.reply_text_tokens >= 0,
+                 f"data.mock.reply_text_tokens must be >= 0, got {self.reply_text_tokens}")
 
 
 @dataclass

@@ -6,12 +6,14 @@ assistant answers with a fixed token span per class, image by image. The answer 
 predictable only by looking at the images, so a falling loss on the masked answer tokens
 shows that pixels -> vision tower -> merger -> language model all carry gradient and signal.
 The prompt text is Zipf-distributed filler with repeated spans (so the LM part has ordinary,
-partly copyable statistics) and is never trained on.
+partly copyable statistics) and is never trained on. With ``data.mock.reply_text_tokens`` set,
+each reply also carries that much filler of the same kind after the class answers, and it is
+trained on: a language-modelling load with many supervised tokens per sample.
 
 Conversation layout (one sample)::
 
     <im_start> USER (<vision_start> <image_pad>*k <vision_end>)*n prompt... <im_end>
-    <im_start> ASSISTANT answer(c_1) ... answer(c_n) <im_end>
+    <im_start> ASSISTANT answer(c_1) ... answer(c_n) [reply text...] <im_end>
 
 Every sample is a pure function of (data.seed, index): ``numpy.random.default_rng((seed, index))``.
 The class styles and answer spans depend on the class only (they define the task), not on
@@ -102,6 +104,9 @@ class MockDataset(torch.utils.data.Dataset):
             k = int(thw.prod()) // self.merge**2
             image_spans += [m.vision_start_token_id] + [m.image_token_id] * k + [m.vision_end_token_id]
         answer = [t for c in classes for t in self.answers[c]]
+        # drawn after the images so that samples without reply text stay as they were
+        reply_text = self._text(np.random.default_rng((self.d.seed, int(index), 1)), g.reply_text_tokens)
+        answer += reply_text
 
         # Fixed part: 2 headers (im_start + role) x 2 turns, 2 im_end, images, answer.
         fixed = 6 + len(image_spans) + len(answer)
@@ -109,7 +114,7 @@ class MockDataset(torch.utils.data.Dataset):
             raise ValueError(
                 f"mock sample {index}: {n_img} image(s) of sizes {sides} (HxW) need {fixed} tokens "
                 f"without any prompt text, more than train.seq_length={self.seq_length}; raise "
-                "train.seq_length or lower data.mock.max_image_side / data.mock.max_images"
+                "train.seq_length or lower data.mock.max_image_side / data.mock.max_images / data.mock.reply_text_tokens"
             )
         n_text = int(rng.integers(g.min_text_tokens, g.max_text_tokens + 1))
         n_text = min(n_text, self.seq_length - fixed)  # shrink the prompt to fit

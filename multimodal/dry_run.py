@@ -259,7 +259,7 @@ def image_fraction(cfg: Config) -> float:
         g = d.mock
         side = (g.min_image_side + g.max_image_side) / 2 / unit
         img = (g.min_images + g.max_images) / 2 * side**2
-        return img / (img + (g.min_text_tokens + g.max_text_tokens) / 2)
+        return img / (img + (g.min_text_tokens + g.max_text_tokens) / 2 + g.reply_text_tokens)
     img = (d.min_pixels + d.max_pixels) / 2 / unit**2
     return img / (img + 256)
 

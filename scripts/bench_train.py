@@ -89,6 +89,9 @@ def run_ours(cfg, warmup: int, steps: int) -> dict:
         "peak_mem_gib": max(r["mem_peak_gib"] for r in rows),
         "loss_first": rows[0]["loss"],
         "loss_last": rows[-1]["loss"],
+        # the MTP head's own loss (model.mtp_num_layers > 0), not part of "loss"'s figure
+        "mtp_loss_first": rows[0].get("mtp_loss"),
+        "mtp_loss_last": rows[-1].get("mtp_loss"),
         "supervised_tokens_per_window": [r["supervised_tokens"] for r in rows],
         "graph_captures_in_timed_steps": captures_in_timed_steps(rows, warmup),
         **step_spread([r["step_time_s"] for r in timed]),
@@ -455,7 +458,7 @@ def ab_runs(args, out_dir: str, forced: list[str], rt) -> dict:
             # (the trainer resets the peak-memory counter itself once the model is built)
             r = run_ours_again(args, Path(out_dir) / f"ab{i}_{name}", [*args.overrides, *overrides, *forced], rt)
             rows[name] = {k: r.get(k) for k in ("step_time_s", "step_time_median_s", "step_time_p90_s", "tokens_per_s", "mfu",
-                                                "peak_mem_gib", "loss_last", "data_wait_s_per_step")}
+                                                "peak_mem_gib", "loss_last", "mtp_loss_last", "data_wait_s_per_step")}
             log.info("ab %s %s: %.4f s/step", spec, name, r["step_time_s"])
         out[spec] = rows
     return out
@@ -519,10 +522,14 @@ def main(argv: list[str] | None = None) -> dict:
     total = args.warmup + args.steps
     interval = math.gcd(args.warmup, args.steps)
     out_dir = tempfile.mkdtemp(prefix="bench_train_")
-    # ours: no checkpoints, no progress bar / TensorBoard; logs exactly at the warm-up boundary
+    # ours: no checkpoints written, no progress bar / TensorBoard; logs exactly at the warm-up boundary.
+    # A checkpoint.load given on the command line is kept (e.g. a Hugging Face folder: the bench then
+    # starts from its weights); the recipe's own (a resume from checkpoint.dir) is not.
+    keep_load = any(kv.partition("=")[0].strip() == "checkpoint.load" for kv in args.overrides)
     forced = [f"train.iters={total}", f"logging.interval={interval}", "checkpoint.dir=null",
-              "checkpoint.save_at_end=false", "checkpoint.load=null", "logging.progress_bar=false",
-              "logging.tensorboard=false", "logging.wandb=false", "logging.memory_history=false"]
+              "checkpoint.save_at_end=false", *([] if keep_load else ["checkpoint.load=null"]),
+              "logging.progress_bar=false", "logging.tensorboard=false", "logging.wandb=false",
+              "logging.memory_history=false"]
     cfg = load_config(args.config, [f"logging.dir={out_dir}", *args.overrides, *forced])
     resolve_sources(cfg)
     if not args.skip_hf:
@@ -642,6 +649,9 @@ def _summary(r: dict) -> None:
           f"{f(r['tflops_per_gpu'], '.1f')} TFLOP/s  MFU {f(r['mfu'], '.1%')} (peak {r['peak_tflops']})  "
           f"peak mem {f(r['peak_mem_gib'], '.1f')} GiB  real tokens {f(r.get('real_token_fraction'), '.1%')} "
           "of the rows", file=sys.stderr)
+    if r.get("mtp_loss_last") is not None:
+        print(f"        loss {r['loss_first']:.4f} -> {r['loss_last']:.4f}, mtp_loss {r['mtp_loss_first']:.4f} -> "
+              f"{r['mtp_loss_last']:.4f}", file=sys.stderr)
     if r.get("step_time_median_s") is not None:
         eager = r.get("eager_step_share")
         print(f"        step time median {r['step_time_median_s']:.3f} s, p90 {r['step_time_p90_s']:.3f} s"
@@ -664,7 +674,9 @@ def _summary(r: dict) -> None:
     for spec, rows in (r.get("ab") or {}).items():
         print(f"  A/B {spec}: A {r['step_time_s']:.4f}, B {rows['b']['step_time_s']:.4f}, A again "
               f"{rows['a_again']['step_time_s']:.4f} s/step (B peak mem {rows['b']['peak_mem_gib']:.1f} GiB)"
-              + (f"; FP8 ({rows['fp8_recipe']}) / bf16 tokens/s {rows['fp8_speedup']:.3f}x" if "fp8_speedup" in rows else ""),
+              + (f"; FP8 ({rows['fp8_recipe']}) / bf16 tokens/s {rows['fp8_speedup']:.3f}x" if "fp8_speedup" in rows else "")
+              + "".join(f"; {side} last mtp_loss {rows[k]['mtp_loss_last']:.4f}" for side, k in (("B", "b"), ("A", "a_again"))
+                        if rows[k].get("mtp_loss_last") is not None),
               file=sys.stderr)
     for name, row in (r.get("recompute_sweep") or {}).items():
         print(f"  recompute {name:45s} peak {row['peak_mem_gib']:7.2f} GiB (saves {row['saved_gib']:6.2f})  "

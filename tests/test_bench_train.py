@@ -144,3 +144,22 @@ def test_profiling_a_timed_step_is_refused(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "profile warm-up steps only" in proc.stderr and "--warmup 3" in proc.stderr
+
+
+@pytest.mark.slow
+def test_bench_train_starts_from_a_hugging_face_folder_and_reports_mtp_loss(tmp_path):
+    """checkpoint.load given on the command line is kept (the recipe's own resume is not): the bench
+    starts from the folder's weights, with its MTP head, and reports the head's loss beside the LM's."""
+    from scripts.make_synthetic_hf import main as make_synthetic_hf
+
+    hf = tmp_path / "hf"  # the proxy's shapes (its special token ids fit the vocabulary), one MTP layer
+    assert make_synthetic_hf(["--out", str(hf), "--config", "configs/qwen35_vl_proxy.yaml", "--layers", "2",
+                              "--mtp", "1"]) == 0
+    res, proc = _bench(tmp_path, "--warmup", "0", "--steps", "1", "--skip-hf", f"checkpoint.load={hf}",
+                       "--ab", "model.mtp_num_layers=0")
+    assert "straight from the Hugging Face folder" in proc.stderr
+    assert _positive(res["mtp_loss_last"]) and "mtp_loss" in proc.stderr  # depth 1, as the folder's config
+    off = res["ab"]["model.mtp_num_layers=0"]
+    assert off["b"]["mtp_loss_last"] is None and off["a_again"]["mtp_loss_last"] == res["mtp_loss_last"]
+    # the same loaded weights: MTP adds its own loss and leaves the LM's first-step loss as it was
+    assert off["b"]["loss_last"] == pytest.approx(res["loss_last"], rel=1e-6)

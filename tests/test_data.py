@@ -115,6 +115,26 @@ def test_loss_mask_is_answer_plus_closing_im_end(ds):
         assert k == len(s["image_grid_thw"])
 
 
+def test_reply_text_is_supervised_after_the_class_answers(ds):
+    """data.mock.reply_text_tokens appends that much filler to each reply, trained on; the rest of
+    the sample (images, prompt, class answers) is the sample without it."""
+    n = 40
+    mock = dataclasses.replace(D.mock, reply_text_tokens=n)
+    long = MockDataset(M, dataclasses.replace(D, mock=mock), S)
+    for i in range(5):
+        a, b = ds[i], long[i]
+        assert torch.equal(a["pixel_values"], b["pixel_values"])
+        assert torch.equal(a["image_grid_thw"], b["image_grid_thw"])
+        k = len(a["input_ids"]) - 1  # a's closing im_end: b holds a without it, then the reply text
+        assert torch.equal(b["input_ids"][:k], a["input_ids"][:k]) and len(b["input_ids"]) == k + n + 1
+        reply = b["input_ids"][k : k + n]
+        assert (reply < M.image_token_id).all() and b["input_ids"][-1] == M.im_end_token_id
+        assert b["loss_mask"].sum() == a["loss_mask"].sum() + n
+        assert b["loss_mask"][k - 1 : k + n].all()  # labels of the reply text and of the closing im_end
+    with pytest.raises(ValueError, match="reply_text_tokens must be >= 0"):
+        dataclasses.replace(D.mock, reply_text_tokens=-1).validate()
+
+
 def test_sample_that_cannot_fit_raises():
     with pytest.raises(ValueError, match=r"mock sample 0: .*train\.seq_length=10"):
         MockDataset(M, D, 10)[0]
