@@ -4,6 +4,8 @@ memory: for timing and sizing conversions without downloading a release.
 
     python scripts/make_synthetic_hf.py --out /tmp/moe16 --layers 16 --hidden 1024 --experts 64
     python scripts/make_synthetic_hf.py --out /tmp/a3b4 --config configs/qwen35_vl_35b_a3b.yaml --layers 4
+    python scripts/make_synthetic_hf.py --out /tmp/a3b4e64 --config configs/qwen35_vl_35b_a3b.yaml --layers 4 \
+        model.num_experts=64      # the recipe's shapes with overrides: here one EP=4 rank's experts
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mtp", type=int, default=1, help="MTP layers (the released checkpoints have 1)")
     ap.add_argument("--shard-size", default="2GB")
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("overrides", nargs="*", help="with --config: section.key=value, as for training")
     args = ap.parse_args(argv)
 
     import dataclasses
@@ -38,10 +41,12 @@ def main(argv=None) -> int:
     from multimodal.hf_convert import init_single_process, write_random_hf
 
     init_single_process()
+    if args.overrides and not args.config:
+        ap.error("overrides (section.key=value) apply to a recipe: give --config")
     if args.config:
         from multimodal.config import load_config
 
-        m = load_config(args.config).model
+        m = load_config(args.config, args.overrides).model
         m = dataclasses.replace(m, num_layers=args.layers, mtp_num_layers=args.mtp, hf_config=None)
         family = get_model_family(m.name)
         stats = write_random_hf(m, get_hf_adapter(family), family, args.out, max_shard_bytes=parse_size(args.shard_size))
