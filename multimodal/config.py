@@ -28,8 +28,7 @@ from models.common.attention import BACKENDS as ATTENTION_BACKENDS
 from models.common.fp8 import DEFAULT_EXCLUDE as FP8_DEFAULT_EXCLUDE, RECIPES as FP8_RECIPES
 from models.common.model_config import ModelConfig
 from models.common.parallel_config import ParallelConfig
-from multimodal.recipe_reader import (SECTION_CLASS, build_section, dotted_keys, override_key, parse_yaml,
-                                      read_recipe, set_dotted, upgrade)
+from multimodal.recipe_reader import SECTION_CLASS, build_section, dotted_keys, read_raw
 
 log = logging.getLogger(__name__)
 
@@ -272,14 +271,7 @@ class Config:
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    raw = read_recipe(Path(path)) if path is not None else {}
-    for item in overrides or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"override {item!r} must look like section.key=value")
-        parsed = parse_yaml(value, f"override {item!r}") if value.strip() else None
-        set_dotted(raw, override_key(key.strip(), parsed), parsed)
-    raw = upgrade(raw, "overrides")
+    raw = read_raw(path, overrides)
     cfg = build_section(Config, raw, "")
     cfg.given = frozenset(dotted_keys(raw))  # what the recipe or an override set, not a default
     return cfg

@@ -74,6 +74,19 @@ SHORTHAND_SECTIONS = ("train.cuda_graphs",)
 _deprecations_logged: set[str] = set()
 
 
+def read_raw(path: str | Path | None, overrides: list[str] | None = None) -> dict[str, Any]:
+    """The recipe at ``path`` (its ``base:`` chain merged) with ``section.key=value`` overrides on
+    top and renamed keys moved to their new place: the raw tree the sections are built from."""
+    raw = read_recipe(Path(path)) if path is not None else {}
+    for item in overrides or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        parsed = parse_yaml(value, f"override {item!r}") if value.strip() else None
+        set_dotted(raw, override_key(key.strip(), parsed), parsed)
+    return upgrade(raw, "overrides")
+
+
 def _new_key(old: str) -> str:
     """The current name of a dotted key, logging the deprecation the first time an old one is used."""
     new = RENAMED_KEYS.get(old)
