@@ -7,6 +7,12 @@
 Each test runs its check file as its own process, with the defaults its usage line documents:
 every check gets a fresh CUDA context and process group, and the class-level backend switches
 some of them make (attention, GDN kernels) cannot leak into the next one.
+
+Before the first check the session points every check's kernel caches at the training default
+(``train.kernel_cache``, core/kernel_cache.py) and compiles the 2B recipe's kernels there with
+``python -m multimodal.warm_kernels`` (TileLang jobs in parallel): the GDN checks use those shapes,
+so a cold machine compiles them once, in parallel, instead of one by one inside each check.
+``GPU_CHECKS_WARM=0`` skips the warm-up.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -21,8 +28,23 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture(scope="session")
+def warm_kernel_cache():
+    """The kernel-cache variables for every check's process, and the 2B recipe's kernels in it."""
+    from core.kernel_cache import use_kernel_cache
+    from multimodal.config import TrainConfig
+
+    use_kernel_cache(TrainConfig().kernel_cache)  # sets the variables in os.environ, which the checks inherit
+    if os.environ.get("GPU_CHECKS_WARM", "1") != "0":
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        proc = subprocess.run([sys.executable, "-m", "multimodal.warm_kernels", "--config", "configs/qwen35_vl_2b.yaml"],
+                              cwd=ROOT, env=dict(os.environ, PYTHONPATH=path), capture_output=True, text=True)
+        if proc.returncode != 0:  # the checks still compile what they need, one by one
+            warnings.warn(f"warm_kernels exited {proc.returncode}: {proc.stderr.strip()[-2000:]}", stacklevel=1)
+
+
 @pytest.fixture
-def run_check(tmp_path):
+def run_check(tmp_path, warm_kernel_cache):
     """``run_check(__file__)``: run that check; fail with the end of its output if it exits non-zero.
     Its JSON goes to ``$GPU_CHECKS_JSON/<file stem>.json`` when that is set, else to a temporary dir."""
 
