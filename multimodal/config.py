@@ -493,8 +493,8 @@ def resolve_sources(cfg: Config) -> Config:
         if mtp_unset:  # None in the base: model_config_from_hf reads the checkpoint's depth
             cfg.model.mtp_num_layers = None
         cfg.model = get_hf_adapter(family).model_config_from_hf(cfg.model.hf_config, base=cfg.model)
-        if mtp_unset:
-            _mtp_within_layout(cfg)
+        if mtp_unset:  # the checkpoint's depth (the released ones have one head): a fine-tune keeps training it
+            cfg.model.mtp_num_layers = cfg.model.mtp_num_layers or 0
     if cfg.data.tokenizer:
         from data.chat import special_token_ids
         from data.registry import load_tokenizer
@@ -503,18 +503,6 @@ def resolve_sources(cfg: Config) -> Config:
             setattr(cfg.model, key, value)
         _fill_from_processor_files(cfg)
     return cfg
-
-
-def _mtp_within_layout(cfg: Config) -> None:
-    """model.mtp_num_layers left unset follows the checkpoint's MTP depth (the released ones have
-    one), so a fine-tune keeps training the head that speculative decoding uses; where the layout
-    cannot run it, it stays 0 and the export copies the untrained head through unchanged."""
-    depth = cfg.model.mtp_num_layers or 0
-    if depth and cfg.parallel.moe_a2a_overlap:
-        log.info("model.mtp_num_layers=0: the checkpoint's MTP head (%d layer(s)) does not train under "
-                 "parallel.moe_a2a_overlap=true; an export copies it through unchanged", depth)
-        depth = 0
-    cfg.model.mtp_num_layers = depth
 
 
 def _fill_from_processor_files(cfg: Config) -> None:

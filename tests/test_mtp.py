@@ -68,7 +68,6 @@ def test_bad_mtp_configs_are_refused_in_one_line():
     from multimodal.config import ConfigError, load_config, validate
 
     for overrides, match in [
-        (["model.mtp_num_layers=1", "parallel.moe_a2a_overlap=true"], "does not run under parallel.moe_a2a_overlap"),
         (["model.mtp_num_layers=-1"], "mtp_num_layers must be >= 0"),
         (["model.mtp_loss_scale=-0.1"], "mtp_loss_scale must be >= 0"),
         (["model.freeze=[mtp]"], "drop mtp from model.freeze"),
@@ -286,9 +285,9 @@ def test_flops_count_the_mtp_matmuls_torch_counts(mcore):
 
 
 def test_mtp_depth_follows_the_hf_checkpoint_unless_set(tmp_path):
-    """model.mtp_num_layers left unset is the checkpoint's mtp_num_hidden_layers; 0 turns it off,
-    and a layout that cannot train the head (moe_a2a_overlap) keeps 0 (the export then carries the
-    head over)."""
+    """model.mtp_num_layers left unset is the checkpoint's mtp_num_hidden_layers in every layout
+    (pipeline stages pass the MTP inputs on; the MoE overlap plan runs the head in its post-process
+    node); 0 turns it off."""
     import json
 
     from helpers.hf_fixtures import add_mtp_head, make_hf_checkpoint
@@ -305,8 +304,7 @@ def test_mtp_depth_follows_the_hf_checkpoint_unless_set(tmp_path):
                             ("overlap", ["parallel.moe_a2a_overlap=true"])]:
             cfg = load_config("configs/qwen35_vl_proxy.yaml", [f"model.hf_config={hf_dir}", *extra])
             depth[name, heads] = resolve_sources(cfg).model.mtp_num_layers
-    # pipeline stages pass the MTP inputs on (models/base.py): pp=2 trains the head too
-    assert depth == {("unset", 1): 1, ("off", 1): 0, ("pp2", 1): 1, ("overlap", 1): 0,
+    assert depth == {("unset", 1): 1, ("off", 1): 0, ("pp2", 1): 1, ("overlap", 1): 1,
                      ("unset", 0): 0, ("off", 0): 0, ("pp2", 0): 0, ("overlap", 0): 0}
 
 

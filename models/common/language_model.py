@@ -36,8 +36,10 @@ class FusedLossGPTModel(GPTModel):
         term and report in ``batch["out"]`` for forward_step's loss function."""
         from models.common.mtp import mtp_losses  # noqa: PLC0415
 
+        # (the schedule plan's post-process node passes no padding mask; it puts it in the batch)
+        mask = batch.get("padding_mask", kwargs.get("padding_mask"))
         hs = self.mtp(hidden_states, batch["embeds"], rotary_pos_emb=kwargs.get("rotary_pos_emb"),
-                      packed_seq_params=kwargs.get("packed_seq_params"), padding_mask=kwargs.get("padding_mask"))
+                      packed_seq_params=kwargs.get("packed_seq_params"), padding_mask=mask)
         losses = [self._token_losses(h, batch["labels"][k]) for k, h in enumerate(hs)]
         term, report = mtp_losses(losses, batch["loss_mask"], batch["ratios"], batch["scale"])
         batch["out"].update(loss=term, report=report)

@@ -24,6 +24,15 @@ The postprocess is megatron's node calling the language model's ``_postprocess``
 layer / fused linear cross-entropy, exactly as in the plain forward. Everything a layer needs
 from the micro-batch (rotary angles, ``packed_seq_params`` with THD / CP metadata, the padding
 mask) travels in the plan's chunk state, which megatron's nodes hand to every layer.
+
+Multi-token prediction (``model.mtp_num_layers``) runs where the plain forward runs it: inside
+``_postprocess``, after the LM loss (models/common/language_model.py), so its MoE layer's
+all-to-alls are not overlapped; megatron's own MTP layer nodes are not used (our MTP block is not
+megatron's, see models/common/mtp.py). Its input embeddings are made in the pre-process node from
+the token embedding and the vision features, and cross to the post-process node detached, like
+every tensor between nodes: the post-process backward (and megatron's backward of the loss, which
+reaches the MTP term) leaves their gradient on the detached copies, and the pre-process node's
+backward sends it on into the embedding and the vision encoder with the decoder input's.
 """
 
 from __future__ import annotations
@@ -34,20 +43,52 @@ from megatron.core.models.common.model_chunk_schedule_plan import (
     TransformerLayerSchedulePlan,
     TransformerModelChunkSchedulePlan,
 )
-from megatron.core.models.common.utils import PreProcessNode
+from megatron.core.models.common.utils import PostProcessNode, PreProcessNode
 from megatron.core.transformer.moe.moe_layer import MoELayer
+
+from models.common.mtp import MTPBlock
 
 
 class MultimodalPreProcessNode(PreProcessNode):
-    """Vision encoder + embedding scatter, then the language model's ``_preprocess``."""
+    """Vision encoder + embedding scatter (and the MTP input embeddings), then the language model's
+    ``_preprocess``."""
+
+    mtp_embeds: list | None = None  # the MTP embeddings with their graph, for this node's backward
 
     def forward_impl(self):
         state = self.chunk_state
         mm, inputs = state.multimodal, state.vision_inputs
         state.vision_inputs = None  # pixels are not needed once encoded (the graph keeps its own)
         if mm.pre_process:
-            state.decoder_input = mm.embed(state.input_ids, **inputs)
+            state.decoder_input, features = mm._embed(state.input_ids, **inputs)
+            if state.mtp is not None:
+                self.mtp_embeds = mm._mtp_embeds(state.mtp, features)
+                # detached at the node boundary; their .grad comes back in this node's backward
+                detached = [e.detach().requires_grad_(e.requires_grad) for e in self.mtp_embeds]
+                state.mtp_batch = {**state.mtp, "embeds": detached}
         return super().forward_impl()
+
+    def default_backward_func(self, outputs, output_grad):
+        embeds, self.mtp_embeds = self.mtp_embeds, None
+        detached = self.chunk_state.mtp_batch["embeds"] if embeds else []
+        pairs = [(e, d.grad) for e, d in zip(embeds or [], detached) if d.grad is not None]
+        if pairs:
+            outputs = (*outputs, *(e for e, _ in pairs))
+            output_grad = (*output_grad, *(g for _, g in pairs))
+        super().default_backward_func(outputs, output_grad)
+        return output_grad
+
+
+class MultimodalPostProcessNode(PostProcessNode):
+    """megatron's post-process, with the micro-batch's MTP inputs handed to ``_postprocess`` (which
+    runs the MTP depths after the LM loss, as in the plain forward)."""
+
+    def forward_impl(self, hidden_states):
+        batch = self.chunk_state.mtp_batch
+        if batch is not None:
+            # megatron's node passes no padding mask to _postprocess: the MTP layer's router needs it
+            self.model.mtp_batch = {**batch, "padding_mask": self.chunk_state.padding_mask}
+        return super().forward_impl(hidden_states)
 
 
 def _route_with_mask(pre_dispatch, moe: MoELayer):
@@ -89,12 +130,14 @@ class MultimodalSchedulePlan(TransformerModelChunkSchedulePlan):
 
     LAYER_SCHEDULE_PLAN_CLASS = MultimodalLayerPlan
     PRE_PROCESS_NODE_CLASS = MultimodalPreProcessNode
+    POST_PROCESS_NODE_CLASS = MultimodalPostProcessNode
 
     def __init__(self, model, tokens, position_ids, labels=None, pixel_values=None, image_grid_thw=None,
-                 packed_seq_params=None, image_feature_index=None, padding_mask=None, vision_gather=None):
+                 packed_seq_params=None, image_feature_index=None, padding_mask=None, vision_gather=None,
+                 mtp=None):
         lm = model.language_model
-        if lm.mtp_process or getattr(lm, "mtp", None) is not None:
-            raise NotImplementedError("multi-token prediction is not wired into the multimodal schedule plan")
+        if lm.mtp_process:
+            raise NotImplementedError("megatron-core's own MTP block is not part of the multimodal schedule plan")
         # megatron's nodes read everything below from the chunk state; decoder_input is filled
         # by our pre-process node (the embedding needs the vision encoder's features)
         super().__init__(
@@ -104,10 +147,18 @@ class MultimodalSchedulePlan(TransformerModelChunkSchedulePlan):
         self.state.multimodal = model
         self.state.vision_inputs = dict(pixel_values=pixel_values, image_grid_thw=image_grid_thw,
                                         image_feature_index=image_feature_index, vision_gather=vision_gather)
+        self.state.mtp = mtp  # forward_step's shifted MTP inputs; the pre-process node adds the embeddings
+        self.state.mtp_batch = None
+
+    def _build_layer_schedule_plan(self, module, comp_stream, comm_stream):
+        if isinstance(module, MTPBlock):  # ours runs inside _postprocess (module docstring)
+            return
+        super()._build_layer_schedule_plan(module, comp_stream, comm_stream)
 
     def release_state(self):
         self.state.multimodal = None
         self.state.vision_inputs = None
+        self.state.mtp = self.state.mtp_batch = None
         super().release_state()
 
     def node_names(self) -> list[list[str]]:

@@ -53,8 +53,5 @@ def validate(m: ModelConfig, p) -> None:
     require(m.mtp_num_layers or not set(PARAMETER_GROUPS) - {"mtp"} <= set(m.freeze),
             "model.freeze: every group is frozen (there is no MTP head, model.mtp_num_layers=0), nothing "
             "would train; leave at least one out")
-    if m.mtp_num_layers:
-        require(not getattr(p, "moe_a2a_overlap", False),
-                "model.mtp_num_layers > 0 does not run under parallel.moe_a2a_overlap=true: set one of them off")
     v = m.vision
     require(v.hidden_size % v.num_heads == 0, "model.vision.hidden_size must be divisible by model.vision.num_heads")
