@@ -65,8 +65,7 @@ class ModelConfig(CommonModelConfig):
     fused_mrope: bool | None = None
     gdn_pre_impl: str = "auto"  # auto | fused | unfused
     # Multi-token prediction depths trained beside the LM loss (models/common/mtp.py; 0 = none); left
-    # unset with a Hugging Face config: the checkpoint's mtp_num_hidden_layers (the released ones have
-    # 1), or 0 under parallel.moe_a2a_overlap, which cannot train it
+    # unset with a Hugging Face config: the checkpoint's mtp_num_hidden_layers (the released ones have 1)
     mtp_num_layers: int = 0
     mtp_loss_scale: float = 0.1  # the weight of the mean MTP loss added to the LM loss
     # initial weights: layout_independent = a function of train.seed alone, the same model under any
