@@ -531,6 +531,13 @@ def main(argv: list[str] | None = None) -> dict:
               "logging.progress_bar=false", "logging.tensorboard=false", "logging.wandb=false",
               "logging.memory_history=false"]
     cfg = load_config(args.config, [f"logging.dir={out_dir}", *args.overrides, *forced])
+    if keep_load:
+        from multimodal.hf_convert import is_hf_folder
+
+        if not is_hf_folder(cfg.checkpoint.load):
+            raise BenchError(f"checkpoint.load={cfg.checkpoint.load}: the bench times steps from 1 and starts from "
+                             "weights only; give it a Hugging Face folder (config.json + safetensors), not a "
+                             "training checkpoint (a resume would continue its step count)")
     resolve_sources(cfg)
     if not args.skip_hf:
         hf_adapter(cfg.model)  # a family without one is refused before our half runs

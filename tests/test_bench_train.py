@@ -163,3 +163,12 @@ def test_bench_train_starts_from_a_hugging_face_folder_and_reports_mtp_loss(tmp_
     assert off["b"]["mtp_loss_last"] is None and off["a_again"]["mtp_loss_last"] == res["mtp_loss_last"]
     # the same loaded weights: MTP adds its own loss and leaves the LM's first-step loss as it was
     assert off["b"]["loss_last"] == pytest.approx(res["loss_last"], rel=1e-6)
+
+
+def test_bench_train_refuses_a_training_checkpoint_to_start_from(tmp_path):
+    """A resume would continue the checkpoint's step count past the bench's few steps: only a
+    Hugging Face folder (weights) is taken, in one line."""
+    from scripts.bench_train import BenchError, main
+
+    with pytest.raises(BenchError, match="give it a Hugging Face folder"):
+        main(["--config", "configs/qwen35_vl_proxy.yaml", "--skip-hf", f"checkpoint.load={tmp_path}"])
