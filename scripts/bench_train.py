@@ -20,6 +20,11 @@
    (the loader is rebuilt with the same seed; the supervised-token counts per step are checked
    against our metrics), warm-up then timed steps, one optimizer step per global batch.
 
+Our run starts from random weights, or from a Hugging Face folder given as
+``checkpoint.load=DIR`` (direct loading, the folder's MTP head included: its ``mtp_loss`` is
+reported beside the loss); a training checkpoint is refused, its resume would continue its step
+count. The recipe's own ``checkpoint.load`` is ignored.
+
 What transformers gets: it has no packed (varlen) path with SDPA, so each packed micro-batch is
 fed as
   - ``row`` (default): the real tokens of all packed samples concatenated into one sequence
