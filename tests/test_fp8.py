@@ -278,6 +278,25 @@ def test_contraction_padding_changes_no_product():
     assert not a_pad[:, 1000:].float().any() and not b_pad[1000:].float().any()
 
 
+def test_group_padding_aligns_every_group_and_changes_no_product():
+    """The grouped weight gradient's contraction (the routed tokens, grouped by expert) padded per
+    group: every group starts on a multiple of 16 (torch's grouped FP8 GEMM asserts it on the
+    device), tokens past the last offset stay out of every group, and each group's product is
+    unchanged (small integers: exact in fp32)."""
+    gen = torch.Generator().manual_seed(0)
+    offs = torch.tensor([100, 100, 517, 990], dtype=torch.int32)  # an empty group; 10 tokens in none
+    a = torch.randint(-3, 4, (24, 1000), generator=gen).float()
+    b = torch.randint(-3, 4, (1000, 40), generator=gen).float()
+    a_pad, b_pad, new_offs = fp8_gemm._groups_padded(a, b, offs)
+    assert new_offs.tolist() == [112, 112, 544, 1024] and new_offs.dtype == offs.dtype
+    assert a_pad.shape == (24, 1008 + 64) and b_pad.shape == (1072, 40) and b_pad.stride() == (1, 1072)
+    torch.testing.assert_close(fp8_gemm.grouped_mm_reference(a_pad, b_pad, new_offs),
+                               fp8_gemm.grouped_mm_reference(a, b, offs), rtol=0, atol=0)
+    assert a_pad[:, new_offs[-1]:].abs().sum() == a[:, 990:].abs().sum()  # the ungrouped tail, kept apart
+    e4m3 = fp8_gemm._groups_padded(a.to(fp8_gemm.E4M3), b.to(fp8_gemm.E4M3), offs)  # one-byte elements
+    assert torch.equal(e4m3[0].float(), a_pad) and torch.equal(e4m3[1].float(), b_pad)
+
+
 # ----------------------------------------------------------------------------- the GPU
 
 

@@ -163,9 +163,8 @@ def _column_major(t: torch.Tensor) -> torch.Tensor:
 def _contraction_padded(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """a [M, K] row-major and b [K, N] column-major, K zero-padded to a multiple of 16: torch's FP8
     GEMMs need it (16-byte rows). K is a weight width (16-aligned, or the layer stays bf16) except
-    in the weight gradients, where it is the token count: a packed row of any length, or the
-    routed tokens of the experts. The zeros add nothing to any product, and in the grouped form
-    they lie past the last offset, in no group."""
+    in the dense weight gradient, where it is the token count of a packed row of any length (the
+    grouped one pads each expert's group: ``_groups_padded``). The zeros add nothing to any product."""
     k = a.shape[1]
     padded = -(-k // _ALIGN) * _ALIGN
     if padded == k:
@@ -175,6 +174,32 @@ def _contraction_padded(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor,
     b_pad = torch.zeros(b.shape[1], padded, dtype=b.dtype, device=b.device)
     b_pad[:, :k].copy_(b.t())
     return a_pad, b_pad.t()
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _groups_padded(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor):
+    """The grouped weight-gradient GEMM's operands, a [M, N] and b [N, K] grouped along N by
+    ``offs``, with every group's N rounded up to a multiple of 16 by zero columns / rows: torch's
+    grouped FP8 GEMM needs each group to start on a 16-byte boundary (a device-side assert), and an
+    expert's routed-token count is arbitrary. Returns a row-major, b column-major and the new
+    offsets. The scatter index and the offsets are computed on the device (no host sync); the
+    padded width has a host bound, round_up(N, 16) + 16 x G. Tokens past the last offset (in no
+    group) stay past the new last offset. The zeros add nothing to any group's product."""
+    n, groups = a.shape[1], offs.numel()
+    width = -(-n // _ALIGN) * _ALIGN + _ALIGN * groups
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    new_offs = torch.cumsum((sizes + _ALIGN - 1) // _ALIGN * _ALIGN, 0).to(offs.dtype)
+    # each group's tokens end at its new offset (the zeros go before them); the tail follows the last
+    shift = torch.cat([new_offs - offs, (new_offs[-1:] - offs[-1:])]).to(torch.int64)
+    dest = torch.arange(n, device=a.device) + shift[group_of_rows(offs, n)]
+    as_int = _SAME_SIZE_INT[a.element_size()]
+    a_pad = torch.zeros(a.shape[0], width, dtype=as_int, device=a.device)
+    a_pad.index_copy_(1, dest, a.contiguous().view(as_int))
+    b_pad = torch.zeros(b.shape[1], width, dtype=as_int, device=b.device)  # [K, width]: column-major b
+    b_pad.index_copy_(1, dest, b.t().contiguous().view(as_int))
+    return a_pad.view(a.dtype), b_pad.view(b.dtype).t(), new_offs
 
 
 def matmul(a: Quantized, b: Quantized, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
@@ -201,7 +226,7 @@ def grouped_matmul(a: Quantized, b: Quantized, offs: torch.Tensor, out_dtype: to
             a_data, b_data = a.data.contiguous(), _column_major(b.data)
             sa, sb = a.inv_scale.reshape(-1), b.inv_scale.reshape(b.data.shape[0], -1)
         else:
-            a_data, b_data = _contraction_padded(a.data, b.data)
+            a_data, b_data, offs = _groups_padded(a.data, b.data, offs)
             sa, sb = a.inv_scale.reshape(-1), b.inv_scale.reshape(-1)
         return torch._scaled_grouped_mm(a_data, b_data, sa, sb, offs=offs, out_dtype=out_dtype, use_fast_accum=True)
     _warn_emulated(reason)
