@@ -104,9 +104,8 @@ class MockDataset(torch.utils.data.Dataset):
             k = int(thw.prod()) // self.merge**2
             image_spans += [m.vision_start_token_id] + [m.image_token_id] * k + [m.vision_end_token_id]
         answer = [t for c in classes for t in self.answers[c]]
-        # drawn after the images so that samples without reply text stay as they were
-        reply_text = self._text(np.random.default_rng((self.d.seed, int(index), 1)), g.reply_text_tokens)
-        answer += reply_text
+        if g.reply_text_tokens:  # its own generator: the sample's other draws stay as without it
+            answer += self._text(np.random.default_rng((self.d.seed, int(index), 1)), g.reply_text_tokens)
 
         # Fixed part: 2 headers (im_start + role) x 2 turns, 2 im_end, images, answer.
         fixed = 6 + len(image_spans) + len(answer)

@@ -490,11 +490,9 @@ def resolve_sources(cfg: Config) -> Config:
         _require(family.hf_adapter is not None, f"model.hf_config: model.name={cfg.model.name} has no Hugging "
                  "Face config reader; set model.hf_config=null and give the architecture in the recipe")
         mtp_unset = hasattr(cfg.model, "mtp_num_layers") and "model.mtp_num_layers" not in getattr(cfg, "given", ())
-        if mtp_unset:  # None in the base: model_config_from_hf reads the checkpoint's depth
-            cfg.model.mtp_num_layers = None
+        if mtp_unset:  # None: model_config_from_hf reads the checkpoint's depth (the released ones have
+            cfg.model.mtp_num_layers = None  # one head), so a fine-tune keeps training it
         cfg.model = get_hf_adapter(family).model_config_from_hf(cfg.model.hf_config, base=cfg.model)
-        if mtp_unset:  # the checkpoint's depth (the released ones have one head): a fine-tune keeps training it
-            cfg.model.mtp_num_layers = cfg.model.mtp_num_layers or 0
     if cfg.data.tokenizer:
         from data.chat import special_token_ids
         from data.registry import load_tokenizer

@@ -53,7 +53,8 @@ class MultimodalPreProcessNode(PreProcessNode):
     """Vision encoder + embedding scatter (and the MTP input embeddings), then the language model's
     ``_preprocess``."""
 
-    mtp_embeds: list | None = None  # the MTP embeddings with their graph, for this node's backward
+    # (MTP embedding with its graph, the detached copy the post-process node used), for the backward
+    mtp_embeds: list | None = None
 
     def forward_impl(self):
         state = self.chunk_state
@@ -62,16 +63,15 @@ class MultimodalPreProcessNode(PreProcessNode):
         if mm.pre_process:
             state.decoder_input, features = mm._embed(state.input_ids, **inputs)
             if state.mtp is not None:
-                self.mtp_embeds = mm._mtp_embeds(state.mtp, features)
                 # detached at the node boundary; their .grad comes back in this node's backward
-                detached = [e.detach().requires_grad_(e.requires_grad) for e in self.mtp_embeds]
-                state.mtp_batch = {**state.mtp, "embeds": detached}
+                self.mtp_embeds = [(e, e.detach().requires_grad_(e.requires_grad))
+                                   for e in mm._mtp_embeds(state.mtp, features)]
+                state.mtp_batch = {**state.mtp, "embeds": [d for _, d in self.mtp_embeds]}
         return super().forward_impl()
 
     def default_backward_func(self, outputs, output_grad):
-        embeds, self.mtp_embeds = self.mtp_embeds, None
-        detached = self.chunk_state.mtp_batch["embeds"] if embeds else []
-        pairs = [(e, d.grad) for e, d in zip(embeds or [], detached) if d.grad is not None]
+        pairs = [(e, d.grad) for e, d in self.mtp_embeds or [] if d.grad is not None]
+        self.mtp_embeds = None
         if pairs:
             outputs = (*outputs, *(e for e, _ in pairs))
             output_grad = (*output_grad, *(g for _, g in pairs))

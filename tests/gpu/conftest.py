@@ -28,6 +28,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _child(args: list[str]) -> subprocess.CompletedProcess:
+    """``python ARGS`` from the repository root, with the repository on PYTHONPATH."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=dict(os.environ, PYTHONPATH=path),
+                          capture_output=True, text=True)
+
+
 @pytest.fixture(scope="session")
 def warm_kernel_cache():
     """The kernel-cache variables for every check's process, and the 2B recipe's kernels in it."""
@@ -36,9 +43,7 @@ def warm_kernel_cache():
 
     use_kernel_cache(TrainConfig().kernel_cache)  # sets the variables in os.environ, which the checks inherit
     if os.environ.get("GPU_CHECKS_WARM", "1") != "0":
-        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-        proc = subprocess.run([sys.executable, "-m", "multimodal.warm_kernels", "--config", "configs/qwen35_vl_2b.yaml"],
-                              cwd=ROOT, env=dict(os.environ, PYTHONPATH=path), capture_output=True, text=True)
+        proc = _child(["-m", "multimodal.warm_kernels", "--config", "configs/qwen35_vl_2b.yaml"])
         if proc.returncode != 0:  # the checks still compile what they need, one by one
             warnings.warn(f"warm_kernels exited {proc.returncode}: {proc.stderr.strip()[-2000:]}", stacklevel=1)
 
@@ -52,9 +57,7 @@ def run_check(tmp_path, warm_kernel_cache):
         out = Path(os.environ.get("GPU_CHECKS_JSON") or tmp_path)
         out.mkdir(parents=True, exist_ok=True)
         name = Path(script).stem
-        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-        proc = subprocess.run([sys.executable, script, "--json", str(out / f"{name}.json")], cwd=ROOT,
-                              env=dict(os.environ, PYTHONPATH=path), capture_output=True, text=True)
+        proc = _child([script, "--json", str(out / f"{name}.json")])
         assert proc.returncode == 0, (f"{name} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n"
                                       f"--- stderr\n{proc.stderr[-6000:]}")
 
