@@ -11,23 +11,33 @@ from multimodal.checkpoint_checks import manifest_problem
 
 pytestmark = pytest.mark.slow
 
-def _slow_write_then(sig: str, at_step: int, sleep_s: int) -> str:
-    """A prelude: the writer process of the save at step 4 sleeps ``sleep_s`` seconds (once per
-    writer, not once per tensor), and the run sends itself ``sig`` in step ``at_step``."""
+
+def _slow_writer(slow_if: str, sleep_s: int) -> str:
+    """A prelude's first half: the writer process sleeps ``sleep_s`` seconds (once per writer, not
+    once per tensor) on the first item it writes whose file name ``name`` makes ``slow_if`` true."""
     return f"""
-import functools, os, signal, time
+import functools, os, signal, sys, time
+from pathlib import Path
 from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
 real = fa._write_item
 @functools.wraps(real)
 def slow(*args, **kwargs):
     stream = next(a for a in args if hasattr(a, "write"))
-    if "iter_0000004" in str(getattr(stream, "name", "")) and not getattr(slow, "slept", False):
+    name = str(getattr(stream, "name", ""))
+    if ({slow_if}) and not getattr(slow, "slept", False):
         slow.slept = True
         time.sleep({sleep_s})
     return real(*args, **kwargs)
 fa._write_item = slow
 import multimodal.training as tr
 real_add = tr._Window.add
+"""
+
+
+def _slow_write_then(sig: str, at_step: int, sleep_s: int) -> str:
+    """A prelude: the writer process of the save at step 4 sleeps ``sleep_s`` seconds, and the run
+    sends itself ``sig`` in step ``at_step``."""
+    return _slow_writer('"iter_0000004" in name', sleep_s) + f"""
 def add(self, batches, model_cfg):
     add.steps = getattr(add, "steps", 0) + 1
     if add.steps == {at_step}:
@@ -40,21 +50,7 @@ tr._Window.add = add
 # every save after the first writes for 10 minutes; the run kills itself (SIGKILL) at the first step
 # that finds one of them begun (its .tmp folder). Not a fixed step: how long the first write takes
 # (and so when the deferred second save starts) depends on the machine.
-SLOW_SECOND_SAVE_THEN_KILL = """
-import functools, os, signal, sys, time
-from pathlib import Path
-from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
-real = fa._write_item
-@functools.wraps(real)
-def slow(*args, **kwargs):
-    stream = next(a for a in args if hasattr(a, "write"))
-    if "iter_0000002" not in str(getattr(stream, "name", "")) and not getattr(slow, "slept", False):
-        slow.slept = True
-        time.sleep(600)
-    return real(*args, **kwargs)
-fa._write_item = slow
-import multimodal.training as tr
-real_add = tr._Window.add
+SLOW_SECOND_SAVE_THEN_KILL = _slow_writer('"iter_0000002" not in name', 600) + """
 def add(self, batches, model_cfg):
     ck = Path(next(a.split("=", 1)[1] for a in sys.argv if a.startswith("checkpoint.dir=")))
     if any(p.name != "iter_0000002.tmp" for p in ck.glob("iter_*.tmp")):
@@ -200,19 +196,7 @@ def test_checkpoint_tensor_sizes_counts_weights_main_params_and_moments_once():
 
 # the save at step 2 takes a few seconds in its writer process, so the one due at step 4 finds it
 # still writing
-SLOW_FIRST_WRITE = """
-import functools, time
-from megatron.core.dist_checkpointing.strategies import filesystem_async as fa
-real = fa._write_item
-@functools.wraps(real)
-def slow(*args, **kwargs):
-    stream = next(a for a in args if hasattr(a, "write"))
-    if "iter_0000002" in str(getattr(stream, "name", "")) and not getattr(slow, "slept", False):
-        slow.slept = True
-        time.sleep(8)
-    return real(*args, **kwargs)
-fa._write_item = slow
-"""
+SLOW_FIRST_WRITE = _slow_writer('"iter_0000002" in name', 8)
 
 
 def test_a_save_due_while_the_previous_one_writes_is_deferred_with_one_warning(tmp_path):
