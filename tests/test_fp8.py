@@ -297,6 +297,44 @@ def test_group_padding_aligns_every_group_and_changes_no_product():
     assert torch.equal(e4m3[0].float(), a_pad) and torch.equal(e4m3[1].float(), b_pad)
 
 
+def test_compiled_casts_cover_every_operand_kind_of_both_recipes(monkeypatch):
+    """On the GPU the amax and the cast run compiled (dynamo + inductor); dynamo compiles them once
+    per operand kind (rank, layout, scale shape, fp8 type, amax dimension). Both recipes' linear
+    forward and backward and the grouped GEMMs, driven through the same wrapper with dynamo's
+    eager backend (its guards and recompiles, no code generation), stay within the recompile
+    limit and give the eager numbers. Before the wrapper detached its input, requires_grad was
+    one more guard: this sequence then needed 10 compilations of the cast, over dynamo's default
+    of 8 (the GPU test failed so, on the rowwise recipe after the tensorwise one)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(fp8_gemm, "_kernel", lambda fn, x: fp8_gemm._compiled(fn, "eager"))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 32, generator=gen, requires_grad=True)
+    w = (torch.randn(48, 32, generator=gen) * 0.05).requires_grad_()
+    g = torch.randn(40, 48, generator=gen)
+    offs = torch.tensor([8, 8, 24, 40], dtype=torch.int32)
+    b = torch.randn(4, 32, 16, generator=gen) * 0.05
+
+    def run():
+        outs = []
+        for recipe in ("tensorwise", "rowwise"):
+            xi, wi = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+            out = _linear(xi, wi, recipe)
+            out.backward(g)
+            outs += [out, xi.grad, wi.grad]
+        return outs + [fp8.grouped_mm(x.detach(), b, offs), fp8.grouped_mm(g.t(), x.detach(), offs)]
+
+    compiled = run()
+    kinds = [len(torch._dynamo.eval_frame._debug_get_cache_entry_list(f.__code__))
+             for f in (fp8_gemm._amax, fp8_gemm._scaled_cast)]
+    monkeypatch.setattr(fp8_gemm, "_kernel", lambda fn, x: fn)
+    for c, e in zip(compiled, run()):
+        torch.testing.assert_close(c, e, rtol=0, atol=0)
+    assert min(kinds) >= 2 and max(kinds) <= fp8_gemm._RECOMPILE_LIMIT  # compiled, and within the limit
+    torch._dynamo.reset()
+
+
 # ----------------------------------------------------------------------------- the GPU
 
 
