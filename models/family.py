@@ -95,9 +95,10 @@ class ModelFamily:
 
     - ``build(model_cfg, parallel_cfg, params_dtype, pre_process=True, post_process=True,
       deterministic=False)`` -> ``models.base.MultimodalModel`` (this pipeline stage's part).
-    - ``training_flops(m, sample_lengths, image_grids, lm_head_tokens=None)`` -> forward + backward
-      FLOPs of the real samples of a batch: their lengths, the (t, h, w) patch grid of each image,
-      and the tokens the LM head ran on (None: every real token). Feeds tflops_per_gpu and MFU.
+    - ``training_flops(m, sample_lengths, image_grids, lm_head_tokens=None, mtp_head_tokens=None)``
+      -> forward + backward FLOPs of the real samples of a batch: their lengths, the (t, h, w)
+      patch grid of each image, and the tokens the LM head ran on (None: every real token), for
+      the LM and for the MTP depths together. Feeds tflops_per_gpu and MFU.
     - ``stage_params(m, tp=1, pp=1, ep=1, stage=0)`` -> ``StageParams``: the exact parameter count
       of one rank of a pipeline stage (tests/test_dry_run.py compares it with the built model);
       a ``parts["vision"]`` entry, when present, is reported as the vision share.

@@ -13,11 +13,12 @@ from models import get_model_family
 
 
 def training_flops(m, sample_lengths: Iterable[int], image_grids: Iterable[tuple[int, int, int]],
-                   lm_head_tokens: int | None = None) -> float:
+                   lm_head_tokens: int | None = None, mtp_head_tokens: int | None = None) -> float:
     """FLOPs of forward + backward for the given real samples of the model ``m`` (the recipe's
     ``model`` section). ``lm_head_tokens``: how many tokens the LM head ran on
-    (``model.sparse_lm_head``: the loss tokens); None: every real token."""
-    return get_model_family(m.name).training_flops(m, sample_lengths, image_grids, lm_head_tokens)
+    (``model.sparse_lm_head``: the loss tokens); None: every real token. ``mtp_head_tokens``: the
+    same for the MTP depths, all together."""
+    return get_model_family(m.name).training_flops(m, sample_lengths, image_grids, lm_head_tokens, mtp_head_tokens)
 
 
 # Dense bf16 peak per device (TFLOP/s), for MFU. Override with logging.peak_tflops.

@@ -139,6 +139,8 @@ class ForwardStep:
         mtp_depth = getattr(inner, "mtp_depth", 0)
         # shifted on the whole micro-batch, before the CP split: no shift ever crosses a chunk
         shifted = shift_batch(batch, mtp_depth, self.image_token_id) if mtp_depth else None
+        # each depth's loss tokens in the whole micro-batch (its shifted mask)
+        mtp_tokens = [int((m != 0).sum()) for m in shifted["mtp_loss_mask"]] if shifted is not None else []
         if self.cp_size > 1:  # every CP rank read the same micro-batch; keep this rank's chunks
             batch = partition_batch(batch, self.cp_size, self.cp_rank, self.image_token_id,
                                     split_vision=self.cp_split_vision, merge=self.merge)
@@ -149,10 +151,12 @@ class ForwardStep:
         sparse = self.sparse_lm_head and params is not None
         if sparse:
             params.loss_token_index = to_device_async(loss_token_index(batch["loss_mask"]), self.device)
-        # tokens the LM head runs on (for FLOPs): the loss tokens, or None for every real token
+        # tokens the LM head runs on (for FLOPs): the loss tokens, or None for every real token; the
+        # MTP depths share the head and are sparse alike (their loss tokens, all depths together)
         if records:
-            self.batches.append({**stats, "lm_head_tokens": loss_tokens if sparse else None, "mtp_depth": mtp_depth})
-        mtp = self._mtp_inputs(shifted, batch, loss_tokens, lm) if shifted is not None else None
+            self.batches.append({**stats, "lm_head_tokens": loss_tokens if sparse else None, "mtp_depth": mtp_depth,
+                                 "mtp_head_tokens": sum(mtp_tokens) if sparse and mtp_depth else None})
+        mtp = self._mtp_inputs(shifted, batch, loss_tokens, mtp_tokens, lm, sparse) if shifted is not None else None
         run = model.build_schedule_plan if return_schedule_plan else model
         output = run(
             b["tokens"],
@@ -169,11 +173,13 @@ class ForwardStep:
         return output, partial(masked_token_loss, loss_mask=b["loss_mask"],
                                mtp_out=mtp["out"] if mtp is not None else None)
 
-    def _mtp_inputs(self, shifted: dict, batch: dict, loss_tokens: int, lm) -> dict:
+    def _mtp_inputs(self, shifted: dict, batch: dict, loss_tokens: int, mtp_tokens: list[int], lm,
+                    sparse: bool) -> dict:
         """This rank's share of the shifted MTP tensors on the device, the vision-feature rows of
-        their image tokens, and the per-depth (LM tokens / MTP tokens) of the micro-batch (host
-        numbers, the same on every CP rank; models/common/mtp.py ``mtp_losses``)."""
-        ratios = [loss_tokens / max(int((m != 0).sum()), 1) for m in shifted["mtp_loss_mask"]]
+        their image tokens, the per-depth (LM tokens / MTP tokens) of the micro-batch (host
+        numbers, the same on every CP rank; models/common/mtp.py ``mtp_losses``) and, with the
+        sparse LM head, each depth's loss-token indices (where the shared head computes logits)."""
+        ratios = [loss_tokens / max(n, 1) for n in mtp_tokens]
         if self.cp_size > 1:
             share = batch["cp_gather_order"].numel() // self.cp_size
             local = batch["cp_gather_order"][self.cp_rank * share:(self.cp_rank + 1) * share]
@@ -181,6 +187,7 @@ class ForwardStep:
         is_image = [vision_token_mask(t, self.image_token_id) for t in shifted["mtp_tokens"]]
         feature_index = [o[m] for o, m in zip(shifted["mtp_ordinal"], is_image)]
         dev = {k: to_device_async(shifted[k], self.device) for k in ("mtp_tokens", "mtp_labels", "mtp_loss_mask")}
+        index = [to_device_async(loss_token_index(m), self.device) for m in shifted["mtp_loss_mask"]] if sparse else None
         return {"tokens": dev["mtp_tokens"], "labels": dev["mtp_labels"], "loss_mask": dev["mtp_loss_mask"],
                 "feature_index": [to_device_async(i, self.device) for i in feature_index],
-                "ratios": ratios, "scale": lm.mtp_loss_scale, "out": {}}
+                "token_index": index, "ratios": ratios, "scale": lm.mtp_loss_scale, "out": {}}

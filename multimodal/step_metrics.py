@@ -39,7 +39,8 @@ class Window:
         for b in batches:
             self.tokens += b["num_real_tokens"]
             grids = [tuple(g) for g in b["image_grid_thw"].tolist()]
-            self.flops += training_flops(model_cfg, b["sample_lengths"], grids, b.get("lm_head_tokens"))
+            self.flops += training_flops(model_cfg, b["sample_lengths"], grids, b.get("lm_head_tokens"),
+                                         b.get("mtp_head_tokens"))
 
 
 @dataclass

@@ -17,7 +17,7 @@ def _fake_family() -> ModelFamily:
         name="fake",
         config_class=SimpleNamespace,
         build=lambda *a, **k: "built",
-        training_flops=lambda m, lengths, grids, lm_head_tokens=None: 7.0 * sum(lengths),
+        training_flops=lambda m, lengths, grids, lm_head_tokens=None, mtp_head_tokens=None: 7.0 * sum(lengths),
         stage_params=lambda m, tp=1, pp=1, ep=1, stage=0: StageParams(stage, {"mixer": 2},
                                                                       {"vision": 5, "dec": 11 // tp}),
         model_params=lambda m: (16, 16),

@@ -206,6 +206,60 @@ def test_packed_and_unpacked_mtp_losses_are_equal(mcore):
     torch.testing.assert_close(rp["lm loss"], ru["lm loss"], rtol=1e-5, atol=1e-4)
 
 
+def test_sparse_lm_head_runs_the_mtp_depths_at_their_loss_tokens(mcore, monkeypatch):
+    """model.sparse_lm_head covers the MTP depths: on a packed batch each depth's pass through the
+    shared head runs at its own (shifted) loss tokens. LM and MTP losses and every gradient equal
+    the dense head's; the FLOPs count the tokens each depth's head ran on."""
+    import fused_kernels.fused_linear_ce as lce
+    from models import get_model_family
+    from models.qwen35_vl.flops import _mtp_parts, training_flops
+
+    head_rows = []  # the rows each pass through the LM head computed logits for
+    real_head = lce.vocab_parallel_linear_cross_entropy
+
+    def counting_head(hidden, *a, token_index=None, **kw):
+        head_rows.append(hidden.shape[0] * hidden.shape[1] if token_index is None else len(token_index))
+        return real_head(hidden, *a, token_index=token_index, **kw)
+
+    monkeypatch.setattr(lce, "vocab_parallel_linear_cross_entropy", counting_head)
+
+    cfg, model = proxy_model(["model.mtp_num_layers=2"])
+    _randomize_mtp_norms(model)
+    m = cfg.model
+    batch = _packed(cfg, _samples(cfg, (0, 1, 2)))
+    runs = {}
+    for sparse in (False, True):
+        model.zero_grad(set_to_none=True)
+        head_rows.clear()
+        step = ForwardStep(torch.device("cpu"), torch.float32, image_token_id=m.vision_token_ids, sparse_lm_head=sparse,
+                           row_extras=get_model_family(m.name).packed_row_extras)
+        out, loss_fn = step(iter([batch]), model)
+        loss, _, report = loss_fn(out)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        runs[sparse] = (report, grads, step.batches[0])
+        rows = list(head_rows)
+    (dense_report, dense_grads, dense_rec), (sparse_report, sparse_grads, sparse_rec) = runs[False], runs[True]
+    for key in ("lm loss", "mtp loss"):
+        torch.testing.assert_close(sparse_report[key], dense_report[key], rtol=1e-6, atol=1e-5)
+    assert set(sparse_grads) == set(dense_grads) and any(".mtp." in n for n in dense_grads)
+    floor = 1e-3 * max(g.norm().item() for g in dense_grads.values())
+    for name, g in dense_grads.items():
+        assert (sparse_grads[name] - g).norm().item() / max(g.norm().item(), floor) < 1e-4, name
+    shifted = shift_batch(batch, 2, m.vision_token_ids)
+    head_tokens = int((shifted["mtp_loss_mask"] != 0).sum())
+    real = int(batch["num_real_tokens"])
+    assert dense_rec["mtp_head_tokens"] is None and sparse_rec["mtp_head_tokens"] == head_tokens < 2 * real
+    assert int(sparse_report["mtp loss"][1]) == head_tokens  # the tokens the MTP loss averages over
+    # the LM pass, then depths 1 and 2: each at its own loss tokens only
+    depth_tokens = [int((d != 0).sum()) for d in shifted["mtp_loss_mask"]]
+    assert rows == [sparse_rec["lm_head_tokens"], *depth_tokens]
+    lengths, loss_tokens = batch["sample_lengths"], sparse_rec["lm_head_tokens"]
+    _, head, _ = _mtp_parts(m)
+    saved = (training_flops(m, lengths, [], loss_tokens) - training_flops(m, lengths, [], loss_tokens, head_tokens))
+    assert saved == pytest.approx(3 * head * (2 * sum(lengths) - head_tokens))
+
+
 def test_dry_run_counts_the_mtp_parameters(mcore):
     from models.qwen35_vl.param_counts import stage_params
 

@@ -40,19 +40,22 @@ class FusedLossGPTModel(GPTModel):
         mask = batch.get("padding_mask", kwargs.get("padding_mask"))
         hs = self.mtp(hidden_states, batch["embeds"], rotary_pos_emb=kwargs.get("rotary_pos_emb"),
                       packed_seq_params=kwargs.get("packed_seq_params"), padding_mask=mask)
-        losses = [self._token_losses(h, batch["labels"][k]) for k, h in enumerate(hs)]
+        index = batch.get("token_index") or [None] * len(hs)  # model.sparse_lm_head: each depth's loss tokens
+        losses = [self._token_losses(h, batch["labels"][k], index[k]) for k, h in enumerate(hs)]
         term, report = mtp_losses(losses, batch["loss_mask"], batch["ratios"], batch["scale"])
         batch["out"].update(loss=term, report=report)
 
-    def _token_losses(self, hidden_states, labels):
+    def _token_losses(self, hidden_states, labels, token_index=None):
         """Per-token CE [B, S] of hidden states [S, B, H] through this model's LM head (the tied
-        embedding or the output layer): the MTP depths share it, as vLLM's Qwen3_5MTP does."""
+        embedding or the output layer): the MTP depths share it, as vLLM's Qwen3_5MTP does. With
+        ``token_index`` (the fused loss only) the head runs at those tokens; the rest are zero."""
         if self.fused_linear_ce:
             from fused_kernels.fused_linear_ce import vocab_parallel_linear_cross_entropy  # noqa: PLC0415
 
             return vocab_parallel_linear_cross_entropy(
                 hidden_states, self.lm_head_weight(), labels, tp_group=self.tp_group,
-                sequence_parallel=self.output_layer.sequence_parallel, weight_grad=self.lm_head_grad)
+                sequence_parallel=self.output_layer.sequence_parallel, token_index=token_index,
+                weight_grad=self.lm_head_grad)
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         logits, _ = self.output_layer(hidden_states, weight=weight)
         return self.compute_language_model_loss(labels, logits)

@@ -69,9 +69,11 @@ def _mtp_parts(m) -> tuple[float, float, float]:
     return float(weights), float(2 * h * m.vocab_size), float(4 * q)
 
 
-def _mtp_flops(m, passes: TrainingPasses, tokens: int, pairs: float) -> float:
+def _mtp_flops(m, passes: TrainingPasses, tokens: int, pairs: float, head_tokens: int | None = None) -> float:
     """Training FLOPs of the MTP depths. Its weights train unless ``model.freeze`` has ``mtp`` or
-    LoRA freezes every base weight; the backward passes through it when it or anything below trains."""
+    LoRA freezes every base weight; the backward passes through it when it or anything below trains.
+    ``head_tokens``: the tokens the shared LM head ran on over all depths (``model.sparse_lm_head``:
+    their loss tokens); None: every token at every depth."""
     depth = getattr(m, "mtp_num_layers", 0)
     if not depth:
         return 0.0
@@ -80,8 +82,9 @@ def _mtp_flops(m, passes: TrainingPasses, tokens: int, pairs: float) -> float:
     head_trains = not m.lora.rank and "lm_head" not in m.freeze and not (
         m.tie_word_embeddings and "embedding" in m.freeze)
     weights, head, per_pair = _mtp_parts(m)
-    return depth * ((1 + through + trains) * weights * tokens + (1 + 2 * through) * per_pair * pairs
-                    + (1 + through + head_trains) * head * tokens)
+    head_tokens = depth * tokens if head_tokens is None else head_tokens
+    return (depth * ((1 + through + trains) * weights * tokens + (1 + 2 * through) * per_pair * pairs)
+            + (1 + through + head_trains) * head * head_tokens)
 
 
 def vision_flops(m, image_grids: Iterable[tuple[int, int, int]]) -> float:
@@ -105,9 +108,10 @@ def _vision_parts(m, image_grids: Iterable[tuple[int, int, int]]) -> tuple[float
 
 
 def training_flops(m, sample_lengths: Iterable[int], image_grids: Iterable[tuple[int, int, int]],
-                   lm_head_tokens: int | None = None) -> float:
+                   lm_head_tokens: int | None = None, mtp_head_tokens: int | None = None) -> float:
     """FLOPs of forward + backward for the given real samples. ``lm_head_tokens``: how many tokens
-    the LM head ran on (``model.sparse_lm_head``: the loss tokens); None: every real token. Frozen
+    the LM head ran on (``model.sparse_lm_head``: the loss tokens); None: every real token; the same
+    for the MTP depths' passes through it, all depths together (``mtp_head_tokens``). Frozen
     parts (``model.freeze``, LoRA's base weights) count the passes they run (TrainingPasses)."""
     passes = TrainingPasses.of(m)
     weights, core, head, per_pair = _decoder_parts(m)
@@ -118,4 +122,4 @@ def training_flops(m, sample_lengths: Iterable[int], image_grids: Iterable[tuple
     encoder, merger = _vision_parts(m, image_grids)
     return (passes.decoder_weights * weights * tokens + passes.decoder_core * (core * tokens + per_pair * pairs)
             + passes.lm_head * head * head_tokens + passes.vision * encoder + passes.merger * merger
-            + _mtp_flops(m, passes, tokens, pairs))
+            + _mtp_flops(m, passes, tokens, pairs, mtp_head_tokens))

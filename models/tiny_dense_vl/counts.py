@@ -71,11 +71,12 @@ def vision_bytes_per_patch(m) -> float:
 
 
 def training_flops(m, sample_lengths: Iterable[int], image_grids: Iterable[tuple[int, int, int]],
-                   lm_head_tokens: int | None = None) -> float:
+                   lm_head_tokens: int | None = None, mtp_head_tokens: int | None = None) -> float:
     """Forward + backward FLOPs of the real samples: 2 x multiply-accumulates of every matmul, causal
     attention scores 4ad per (query, key) pair inside each sample, the LM head at ``lm_head_tokens``
     tokens (None: every real token), the vision path per patch; 3 x forward for what trains, less
-    for frozen parts (models/common/training_passes.py)."""
+    for frozen parts (models/common/training_passes.py). This family has no MTP head
+    (``mtp_head_tokens`` is always None here)."""
     passes = TrainingPasses.of(m)
     h, a, d = m.hidden_size, m.num_attention_heads, m.head_dim
     lengths = list(sample_lengths)
