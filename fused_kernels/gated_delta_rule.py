@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from core.errors import ConfigError
 from core.transfer import to_device_async
 
 log = logging.getLogger(__name__)
@@ -65,17 +66,19 @@ def gdn_backend(requested: str = "auto") -> str:
     qla_reason = flash_qla_gdr.unusable_reason()
     if requested == "flash_qla" or (requested == "auto" and qla_reason is None):
         if qla_reason:
-            raise RuntimeError(f"model.gdn_backend=flash_qla cannot run: {qla_reason}")
+            raise ConfigError(f"model.gdn_backend=flash_qla cannot run: {qla_reason}; on an SM90 GPU install the "
+                              "gpu extra (pip install -e '.[gpu]': flash-qla, tilelang), or set model.gdn_backend=auto")
         log.info("GDN kernels: FlashQLA for the delta rule, flash-linear-attention's conv1d where it imports")
         _no_fla_flash_qla_dispatch()  # a call FlashQLA refuses (dtype, head size) falls back to fla's own kernels
         return "flash_qla"
     if requested == "fla":
         if reason:
-            raise RuntimeError(f"model.gdn_backend=fla cannot run: {reason}")
+            raise ConfigError(f"model.gdn_backend=fla cannot run: {reason}; set model.gdn_backend=auto "
+                              "(FlashQLA where it runs, else the PyTorch reference) or install the gpu extra (tilelang)")
         _no_fla_flash_qla_dispatch()
         return "fla"
     if requested != "auto":
-        raise ValueError(f"model.gdn_backend must be one of {'|'.join(GDN_BACKENDS)}, got {requested!r}")
+        raise ConfigError(f"model.gdn_backend must be one of {'|'.join(GDN_BACKENDS)}, got {requested!r}")
     if reason is None:
         log.info("GDN kernels: flash-linear-attention (FlashQLA: %s)", qla_reason)
         _no_fla_flash_qla_dispatch()

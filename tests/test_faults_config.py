@@ -58,3 +58,12 @@ def test_a_video_id_left_at_the_synthetic_default_is_refused():
         validate(load_config("configs/qwen35_vl_2b.yaml", ["model.video_token_id=1007"]))
     for recipe in ("2b", "2b_sft", "9b", "35b_a3b", "397b_a17b"):
         assert load_config(f"configs/qwen35_vl_{recipe}.yaml").model.video_token_id == 248057
+
+
+def test_a_gdn_backend_that_cannot_run_here_is_one_line_with_the_fix(tmp_path):
+    """model.gdn_backend=flash_qla where FlashQLA cannot run (here: no CUDA device) is refused while
+    the model is built, in one line that names the setting and the fix, exit code 2."""
+    run = run_cli(tmp_path, "model.gdn_backend=flash_qla")
+    assert run.rc == 2, run.stderr[-2000:]
+    assert run.last_line.startswith("error: model.gdn_backend=flash_qla cannot run: ") and "Traceback" not in run.stderr
+    assert "model.gdn_backend=auto" in run.last_line

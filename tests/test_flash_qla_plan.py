@@ -39,7 +39,9 @@ def test_backend_name_is_checked():
 
     from fused_kernels.gated_delta_rule import gdn_backend
 
-    with pytest.raises(RuntimeError, match="gdn_backend=flash_qla cannot run"):
+    from core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="gdn_backend=flash_qla cannot run"):
         gdn_backend("flash_qla")  # no CUDA here
 
 
