@@ -70,7 +70,8 @@ class ModelConfig:
     # megatron's output layer + vocab_parallel_cross_entropy (same losses and grads).
     fused_linear_ce: bool = True
     # With fused_linear_ce on packed (THD) batches: the LM head and the loss run only at tokens
-    # whose loss mask is nonzero (their indices are built on the host per micro-batch, no sync).
+    # whose loss mask is nonzero (their indices are built on the host per micro-batch, no sync);
+    # the MTP depths' passes through the head likewise, each at its own shifted loss tokens.
     # Exact: every other token has no loss and no gradient. In SFT, where prompts and images are
     # most of the tokens, this removes most of the LM head's work (tokens x hidden x vocab x 6);
     # the reported FLOPs then count the LM head at those tokens only. false: every token.
