@@ -64,6 +64,19 @@ def test_parameter_names_are_megatrons_mtp_names(mcore):
     assert sharded == names
 
 
+def test_the_mtp_layer_keeps_its_number_on_a_later_pipeline_stage(mcore, monkeypatch):
+    """On a stage whose decoder layers start at an offset (pipeline parallelism), the MTP layer is
+    still layer 1: its MoE aux loss goes to the same tracker slot in every layout."""
+    import megatron.core.transformer.transformer_layer as tl
+
+    monkeypatch.setattr(tl, "get_transformer_layer_offset", lambda *a, **k: 7)
+    _, model = proxy_model(["model.mtp_num_layers=1"], config="configs/qwen35_vl_proxy_moe.yaml")
+    lm = model.language_model
+    assert [layer.layer_number for layer in lm.decoder.layers][:2] == [8, 9]
+    assert lm.mtp.layers[0].transformer_layer.layer_number == 1
+    assert lm.mtp.layers[0].transformer_layer.mlp.router.layer_number == 1
+
+
 def test_bad_mtp_configs_are_refused_in_one_line():
     from multimodal.config import ConfigError, load_config, validate
 

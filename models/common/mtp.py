@@ -74,8 +74,11 @@ class MTPLayer(MegatronModule):
         # column-parallel like megatron's eh_proj: under SP it gathers the sequence itself
         self.eh_proj = ColumnParallelLinear(2 * h, h, config=config, init_method=config.init_method,
                                             gather_output=False, bias=False, skip_bias_add=False)
-        # vp_stage: megatron's layer asks for it under virtual pipeline stages (its layer offset)
-        self.transformer_layer = build_module(layer_spec, config=config, layer_number=layer_number, vp_stage=vp_stage)
+        # layer_number as given on every pipeline stage (add_layer_offset=False): the last stage's
+        # offset would move the MTP layer's MoE aux-loss slot with the layout. megatron's
+        # is_mtp_layer would instead file it past the decoder's layers, in a tracker sized without them
+        self.transformer_layer = build_module(layer_spec, config=config, layer_number=layer_number, vp_stage=vp_stage,
+                                              add_layer_offset=False)
         self.final_layernorm = RMSNorm(config=config, hidden_size=h, eps=eps)
 
     def forward(self, hidden, emb, rotary_pos_emb=None, packed_seq_params=None, padding_mask=None):
