@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from core.errors import ConfigError
 from fused_kernels.gated_delta_rule import (
     causal_conv1d_silu_ref,
     chunk_gated_delta_rule_ref,
@@ -105,7 +106,7 @@ def test_cpu_backends_are_chosen_and_explicit_requests_fail_loudly():
         with pytest.raises(RuntimeError, match="varlen"):
             attention(q, q, q, causal=True, cu_seqlens=torch.tensor([0, 4], dtype=torch.int32),
                       max_seqlen=4, backend="varlen")
-        with pytest.raises(RuntimeError, match="gdn_backend=fla"):
+        with pytest.raises(ConfigError, match="gdn_backend=fla cannot run: .*; set model.gdn_backend=auto"):
             gdn_backend("fla")
     with pytest.raises(ValueError, match="attention backend"):
         attention(q, q, q, causal=True, backend="flash9")
