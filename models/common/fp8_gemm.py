@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from core.devices import hopper_reason
 from fused_kernels.grouped_gemm import grouped_mm_reference
+from models.common.norms import RECOMPILE_LIMIT, allow_recompiles
 
 log = logging.getLogger(__name__)
 
@@ -82,22 +83,20 @@ def _scaled_cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> to
     return (x.float() * scale).clamp(-limit, limit).to(dtype)
 
 
-# dynamo compiles a cast once per operand kind it meets (rank, layout, scale shape, fp8 type,
-# amax dimension): a model's linears and experts need more than dynamo's default of 8 per function
-_RECOMPILE_LIMIT = 64
-
-
 @functools.cache
 def _compiled(fn, backend: str = "inductor"):
     """``fn`` compiled by inductor into one fused kernel: eagerly, |x|, the fp32 product, the clamp
     and the cast each make a pass over the tensor and a temporary, which would eat much of what
     the FP8 GEMM saves. Compiled once per shape family (dynamic), before any CUDA-graph capture.
     The input goes in detached, outside autograd (the casts are never differentiated), so whether
-    it requires grad is not one more reason to recompile."""
+    it requires grad is not one more reason to recompile. dynamo compiles a cast once per operand
+    kind it meets (rank, layout, scale shape, fp8 type, amax dimension): a model's linears and
+    experts need more than its default limit of 8, raised here as for the norms."""
+    allow_recompiles(RECOMPILE_LIMIT)
     compiled = torch.compile(fn, dynamic=True, fullgraph=True, backend=backend)
 
     def call(x: torch.Tensor, *args):
-        with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+        with torch.no_grad():
             return compiled(x.detach(), *args)
 
     return call

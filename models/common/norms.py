@@ -32,6 +32,14 @@ _compiled: dict = {}
 RECOMPILE_LIMIT = 64
 
 
+def allow_recompiles(limit: int) -> None:
+    """Raise dynamo's per-function recompile limit for the whole process to ``limit`` (never lower
+    it): a compiled function that serves many input kinds (every norm site, every FP8 operand kind)
+    needs more than dynamo's default of 8. Called once where such a function is compiled, not per
+    call (a config patch around each call would cost host time on the hot path)."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+
+
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
     # .view: x enters the norm through one autograd node, so the norm's two uses of it are summed
     # before they meet the residual's gradient. (On fp32, .float() is x itself, and the engine
@@ -61,7 +69,7 @@ def _impl(fn, x: torch.Tensor):
     if compiled is None:
         # one compiled function serves every norm site x grad mode x input layout (strides);
         # dynamo's default of 8 variants per function is too few for that
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        allow_recompiles(RECOMPILE_LIMIT)
         compiled = _compiled[fn] = _FirstCallFallback(fn)
         log.info("norms: %s runs through torch.compile (model.compile_norms)", fn.__name__)
     return compiled
