@@ -169,9 +169,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
         bq = fp8_gemm.quantize(b, -2, E4M3, r.pow2_scales)
         return fp8_gemm.grouped_matmul(aq, bq, offs, a.dtype)
     # [K, N] x [N, M] -> [G, K, M]: the contraction runs over each group's tokens
-    aq = fp8_gemm.quantize_grouped_cols(a, offs, r)
-    bq = fp8_gemm.quantize_grouped_rows(b, offs, r)
-    return fp8_gemm.grouped_matmul(aq, bq, offs, a.dtype)
+    return fp8_gemm.grouped_weight_grad(a, b, offs, r, a.dtype)
 
 
 # ----------------------------------------------------------------------------- conversion

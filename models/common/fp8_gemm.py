@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from core.devices import hopper_reason
+from fused_kernels import fp8_token_groups as token_groups
 from fused_kernels.grouped_gemm import grouped_mm_reference
 from models.common.norms import RECOMPILE_LIMIT, allow_recompiles
 
@@ -188,25 +189,20 @@ def _contraction_padded(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor,
     return a_pad, b_pad.t()
 
 
-_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 def _groups_padded(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor):
     """The grouped weight-gradient GEMM's operands, a [M, N] and b [N, K] grouped along N by
     ``offs``, with every group's N rounded up to a multiple of 16 by zero columns / rows: torch's
     grouped FP8 GEMM needs each group to start on a 16-byte boundary (a device-side assert), and an
     expert's routed-token count is arbitrary. Returns a row-major, b column-major and the new
-    offsets. The scatter index and the offsets are computed on the device (no host sync); the
-    padded width has a host bound, round_up(N, 16) + 16 x G. Tokens past the last offset (in no
-    group) stay past the new last offset. The zeros add nothing to any group's product."""
-    n, groups = a.shape[1], offs.numel()
-    width = -(-n // _ALIGN) * _ALIGN + _ALIGN * groups
-    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
-    new_offs = torch.cumsum((sizes + _ALIGN - 1) // _ALIGN * _ALIGN, 0).to(offs.dtype)
+    offsets, computed on the device (no host sync). Tokens past the last offset (in no group) stay
+    past the new last offset. The zeros add nothing to any group's product. The path of the fused
+    kernels (``_grouped_weight_grad_fused``) writes this layout directly."""
+    n = a.shape[1]
+    new_offs, width = token_groups.padded_offsets(offs, n)
     # each group's tokens end at its new offset (the zeros go before them); the tail follows the last
     shift = torch.cat([new_offs - offs, (new_offs[-1:] - offs[-1:])]).to(torch.int64)
     dest = torch.arange(n, device=a.device) + shift[group_of_rows(offs, n)]
-    as_int = _SAME_SIZE_INT[a.element_size()]
+    as_int = token_groups.SAME_SIZE_INT[a.element_size()]
     a_pad = torch.zeros(a.shape[0], width, dtype=as_int, device=a.device)
     a_pad.index_copy_(1, dest, a.contiguous().view(as_int))
     b_pad = torch.zeros(b.shape[1], width, dtype=as_int, device=b.device)  # [K, width]: column-major b
@@ -253,18 +249,8 @@ def grouped_matmul(a: Quantized, b: Quantized, offs: torch.Tensor, out_dtype: to
 # ----------------------------------------------------------------------------- per-group scales
 
 
-def group_of_rows(offs: torch.Tensor, n: int) -> torch.Tensor:
-    """The group of each of ``n`` rows (int64, on the device; rows past the last offset get G)."""
-    return torch.searchsorted(offs, torch.arange(n, device=offs.device, dtype=offs.dtype), right=True)
-
-
-def group_amax(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """[G, C] max |x| over each group's rows of x [N, C], on the device (an empty group: 0)."""
-    groups = offs.numel()
-    rows = group_of_rows(offs, x.shape[0])
-    out = torch.zeros(groups + 1, x.shape[1], dtype=torch.float32, device=x.device)
-    out.scatter_reduce_(0, rows[:, None].expand(-1, x.shape[1]), x.abs().float(), "amax")
-    return out[:groups]
+group_of_rows = token_groups.group_of_rows
+group_amax = token_groups.group_amax_reference
 
 
 def quantize_grouped_rows(x: torch.Tensor, offs: torch.Tensor, recipe: Recipe) -> Quantized:
@@ -281,3 +267,42 @@ def quantize_grouped_cols(x: torch.Tensor, offs: torch.Tensor, recipe: Recipe) -
     cols = group_of_rows(offs, x.shape[1]).clamp(max=offs.numel() - 1)
     q = quantize_with(x, scale[cols].t(), E4M3)
     return Quantized(q.data, scale.reciprocal()[:, :, None])
+
+
+# ----------------------------------------------------------------------------- the experts' weight gradient
+
+
+@functools.cache
+def _warn_unfused(reason: str) -> None:
+    log.warning("FP8: the grouped weight gradient's fused quantization not used (%s); quantizing with torch "
+                "ops (several passes per operand, much slower)", reason)
+
+
+def grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, recipe: Recipe,
+                        out_dtype: torch.dtype) -> torch.Tensor:
+    """a [M, N] x b [N, K] -> [G, M, K], each group's product over its own slice of N (the tokens an
+    expert received: the experts' weight gradient). Rowwise scales per (group, row of a) and
+    (group, column of b). Where torch's grouped FP8 GEMM runs, two Triton kernels per operand
+    quantize it straight into the GEMM's padded layout (fused_kernels/fp8_token_groups.py)."""
+    if fast_path_reason(a.device, grouped=True) is None:
+        reason = token_groups.available(a.mT) or token_groups.available(b)
+        if reason is None:
+            return _grouped_weight_grad_fused(a, b, offs, recipe, out_dtype)
+        _warn_unfused(reason)
+    aq = quantize_grouped_cols(a, offs, recipe)
+    bq = quantize_grouped_rows(b, offs, recipe)
+    return grouped_matmul(aq, bq, offs, out_dtype)
+
+
+def _token_group_operand(x: torch.Tensor, offs: torch.Tensor, new_offs: torch.Tensor, width: int, recipe: Recipe):
+    """x [N, C] -> ([C, width] e4m3 with the tokens contiguous and each group padded to 16, [G, C] inverse scales)."""
+    scale = scale_from_amax(token_groups.group_amax(x, offs), E4M3, recipe.pow2_scales)
+    return token_groups.cast_groups_transposed(x, offs, new_offs, width, scale, E4M3), scale.reciprocal()
+
+
+def _grouped_weight_grad_fused(a, b, offs, recipe: Recipe, out_dtype: torch.dtype) -> torch.Tensor:
+    new_offs, width = token_groups.padded_offsets(offs, b.shape[0])
+    a_data, a_inv = _token_group_operand(a.mT, offs, new_offs, width, recipe)  # [M, width], [G, M]
+    b_data, b_inv = _token_group_operand(b, offs, new_offs, width, recipe)  # [K, width], [G, K]
+    return torch._scaled_grouped_mm(a_data, b_data.t(), a_inv.reshape(-1), b_inv.reshape(-1), offs=new_offs,
+                                    out_dtype=out_dtype, use_fast_accum=True)

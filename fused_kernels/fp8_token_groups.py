@@ -1,0 +1,152 @@
+"""The FP8 operands of the routed experts' weight gradient, quantized per expert group in two Triton
+kernels, with their plain PyTorch references.
+
+The weight-gradient GEMM of the experts contracts over each expert's tokens: ``dW[e] = A[e]^T B[e]``
+with A [N, M] and B [N, K] the rows (tokens) grouped by expert through ``offs``. Rowwise FP8 scales
+each operand per (expert, column) over that expert's rows, and torch's grouped FP8 GEMM takes both
+operands with the tokens contiguous ([M, width] and [K, width]) and every group starting on a
+multiple of 16 tokens. Written with torch ops that is a scatter-reduce for the amax (atomics over
+every element), a gathered [N, C] scale tensor, a cast, an fp8 transpose and an index copy into the
+padded layout: five passes, the first alone a quarter of an FP8 MoE step in the profile. Here:
+
+- ``group_amax``: one program per (group, column block) walks its group's rows: [G, C] fp32 max |x|;
+- the caller turns it into scales (``models/common/fp8_gemm.py``, the same function as every cast);
+- ``cast_groups_transposed``: one program per (group, column block) casts its rows with the group's
+  scales and stores them transposed, at the padded position ``row + new_offs[g] - offs[g]``.
+
+Both walk each group's rows with scalar bounds, so a column block of one group reads and writes
+contiguous memory. Rows past the last offset belong to no group and are not written (the padded
+output is zeros there, which the GEMM does not read).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs without triton: the references still work
+    triton = None
+
+from fused_kernels.triton_support import unavailable_reason  # noqa: E402
+
+BLOCK_ROWS = 64
+BLOCK_COLS = 64
+SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+ALIGN = 16  # torch's grouped FP8 GEMM: every group starts on a 16-byte (16 fp8 tokens) boundary
+
+
+def available(x: torch.Tensor) -> str | None:
+    """None when the kernels can quantize ``x`` [N, C], else the reason."""
+    reason = unavailable_reason(x)
+    if reason is None and x.dim() != 2:
+        reason = f"x has {x.dim()} dimensions, not 2"
+    return reason
+
+
+def padded_offsets(offs: torch.Tensor, n: int) -> tuple[torch.Tensor, int]:
+    """Each group's end once every group is rounded up to a multiple of 16 rows (on the device, no
+    host sync), and the padded width's host bound, round_up(n, 16) + 16 x G."""
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    new_offs = torch.cumsum((sizes + ALIGN - 1) // ALIGN * ALIGN, 0).to(offs.dtype)
+    return new_offs, -(-n // ALIGN) * ALIGN + ALIGN * offs.numel()
+
+
+def group_of_rows(offs: torch.Tensor, n: int) -> torch.Tensor:
+    """The group of each of ``n`` rows (int64, on the device; rows past the last offset get G)."""
+    return torch.searchsorted(offs, torch.arange(n, device=offs.device, dtype=offs.dtype), right=True)
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def group_amax_reference(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """[G, C] fp32 max |x| over each group's rows of x [N, C] (an empty group: 0)."""
+    groups = offs.numel()
+    rows = group_of_rows(offs, x.shape[0])
+    out = torch.zeros(groups + 1, x.shape[1], dtype=torch.float32, device=x.device)
+    out.scatter_reduce_(0, rows[:, None].expand(-1, x.shape[1]), x.abs().float(), "amax")
+    return out[:groups]
+
+
+def cast_groups_transposed_reference(x: torch.Tensor, offs: torch.Tensor, new_offs: torch.Tensor, width: int,
+                                     scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[C, width] in ``dtype``: row n of x [N, C] times its group's scale [G, C], clamped to the fp8
+    range and cast, at column ``n + new_offs[g] - offs[g]``; zeros elsewhere (and for rows in no group)."""
+    n, groups = x.shape[0], offs.numel()
+    as_int = SAME_SIZE_INT[dtype.itemsize]  # through a same-size integer view: index_copy_ has no fp8 kernels
+    out = torch.zeros(x.shape[1], width, dtype=as_int, device=x.device)
+    if groups == 0:
+        return out.view(dtype)
+    rows = group_of_rows(offs, n)
+    grouped = rows < groups
+    limit = torch.finfo(dtype).max
+    q = (x.float() * scale[rows.clamp(max=groups - 1)]).clamp(-limit, limit).to(dtype)
+    dest = torch.arange(n, device=x.device) + (new_offs - offs).to(torch.int64)[rows.clamp(max=groups - 1)]
+    out.index_copy_(1, dest[grouped], q[grouped].t().contiguous().view(as_int))
+    return out.view(dtype)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def group_amax(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``group_amax_reference`` in one Triton kernel (the caller checks ``available``)."""
+    groups, cols = offs.numel(), x.shape[1]
+    out = torch.empty(groups, cols, dtype=torch.float32, device=x.device)
+    if groups and cols:
+        _group_amax_kernel[(groups, triton.cdiv(cols, BLOCK_COLS))](
+            x, offs, out, cols, x.stride(0), x.stride(1), BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS)
+    return out
+
+
+def cast_groups_transposed(x: torch.Tensor, offs: torch.Tensor, new_offs: torch.Tensor, width: int,
+                           scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``cast_groups_transposed_reference`` in one Triton kernel (the caller checks ``available``)."""
+    groups, cols = offs.numel(), x.shape[1]
+    out = torch.zeros(cols, width, dtype=dtype, device=x.device)
+    if groups and cols:
+        _cast_transposed_kernel[(groups, triton.cdiv(cols, BLOCK_COLS))](
+            x, offs, new_offs, scale.contiguous(), out, cols, width, x.stride(0), x.stride(1),
+            torch.finfo(dtype).max, BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _group_rows(offs_ptr, g):
+        """[start, end) of group g's rows."""
+        end = tl.load(offs_ptr + g).to(tl.int64)
+        start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0).to(tl.int64)
+        return start, end
+
+    @triton.jit
+    def _group_amax_kernel(x_ptr, offs_ptr, out_ptr, cols, stride_n, stride_c,
+                           BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+        g = tl.program_id(0)
+        c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+        start, end = _group_rows(offs_ptr, g)
+        acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
+        for r0 in range(start, end, BLOCK_ROWS):
+            r = r0 + tl.arange(0, BLOCK_ROWS)
+            mask = (r[:, None] < end) & (c[None, :] < cols)
+            x = tl.load(x_ptr + r[:, None] * stride_n + c[None, :] * stride_c, mask=mask, other=0.0)
+            acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
+        tl.store(out_ptr + g * cols + c, tl.max(acc, axis=0), mask=c < cols)
+
+    @triton.jit
+    def _cast_transposed_kernel(x_ptr, offs_ptr, new_offs_ptr, scale_ptr, out_ptr, cols, width, stride_n, stride_c,
+                                limit, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+        g = tl.program_id(0)
+        c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+        start, end = _group_rows(offs_ptr, g)
+        shift = tl.load(new_offs_ptr + g).to(tl.int64) - end  # the group's padding goes before its rows
+        scale = tl.load(scale_ptr + g * cols + c, mask=c < cols, other=0.0)
+        for r0 in range(start, end, BLOCK_ROWS):
+            r = r0 + tl.arange(0, BLOCK_ROWS)
+            mask = (r[:, None] < end) & (c[None, :] < cols)
+            x = tl.load(x_ptr + r[:, None] * stride_n + c[None, :] * stride_c, mask=mask, other=0.0)
+            q = tl.clamp(x.to(tl.float32) * scale[None, :], -limit, limit).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + c[None, :].to(tl.int64) * width + (r + shift)[:, None], q, mask=mask)
