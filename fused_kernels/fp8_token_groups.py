@@ -9,13 +9,15 @@ multiple of 16 tokens. Written with torch ops that is a scatter-reduce for the a
 every element), a gathered [N, C] scale tensor, a cast, an fp8 transpose and an index copy into the
 padded layout: five passes, the first alone a quarter of an FP8 MoE step in the profile. Here:
 
-- ``group_amax``: one program per (group, column block) walks its group's rows: [G, C] fp32 max |x|;
+- ``group_amax``: [G, C] fp32 max |x| over each group's rows;
 - the caller turns it into scales (``models/common/fp8_gemm.py``, the same function as every cast);
-- ``cast_groups_transposed``: one program per (group, column block) casts its rows with the group's
-  scales and stores them transposed, at the padded position ``row + new_offs[g] - offs[g]``.
+- ``cast_groups_transposed``: casts each row with its group's scales and stores it transposed, at
+  the padded position ``row + new_offs[g] - offs[g]``.
 
-Both walk each group's rows with scalar bounds, so a column block of one group reads and writes
-contiguous memory. Rows past the last offset belong to no group and are not written (the padded
+Each program takes one chunk of one group's rows (``chunk_plan``) and one block of columns: its
+bounds are scalars, so it reads and writes contiguous memory, and a group holding most of the rows
+(a popular expert) is spread over many programs; the chunks of one group meet in the amax through
+an atomic max. Rows past the last offset belong to no group and are not written (the padded
 output is zeros there, which the GEMM does not read).
 """
 
@@ -32,6 +34,7 @@ except ImportError:  # CPU-only installs without triton: the references still wo
 from fused_kernels.triton_support import unavailable_reason  # noqa: E402
 
 BLOCK_ROWS = 64
+CHUNK_ROWS = 512  # rows per program: a multiple of BLOCK_ROWS
 BLOCK_COLS = 64
 SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 ALIGN = 16  # torch's grouped FP8 GEMM: every group starts on a 16-byte (16 fp8 tokens) boundary
@@ -91,58 +94,84 @@ def cast_groups_transposed_reference(x: torch.Tensor, offs: torch.Tensor, new_of
 # ----------------------------------------------------------------------------- kernels
 
 
-def group_amax(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """``group_amax_reference`` in one Triton kernel (the caller checks ``available``)."""
+def chunk_plan(offs: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The kernels' work split: each group's rows in chunks of ``CHUNK_ROWS``, one program per
+    (chunk, column block), so a group holding most of the rows (a popular expert) is spread over
+    many programs instead of setting the time alone. Returns each program's group ([bound] int32,
+    G past the last chunk: those programs do nothing), each group's first chunk ([G] int32) and
+    the host bound of the chunk count, cdiv(n, CHUNK_ROWS) + G (no host sync)."""
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    chunks = (sizes + CHUNK_ROWS - 1) // CHUNK_ROWS
+    chunk_end = torch.cumsum(chunks, 0).to(torch.int32)
+    bound = -(-n // CHUNK_ROWS) + offs.numel()
+    chunk_group = torch.searchsorted(chunk_end, torch.arange(bound, device=offs.device, dtype=torch.int32),
+                                     right=True).to(torch.int32)
+    return chunk_group, (chunk_end - chunks).to(torch.int32), bound
+
+
+def group_amax(x: torch.Tensor, offs: torch.Tensor, plan=None) -> torch.Tensor:
+    """``group_amax_reference`` in one Triton kernel (the caller checks ``available``); ``plan``:
+    ``chunk_plan(offs, len(x))``, shared by the calls on one set of offsets."""
     groups, cols = offs.numel(), x.shape[1]
-    out = torch.empty(groups, cols, dtype=torch.float32, device=x.device)
+    out = torch.zeros(groups, cols, dtype=torch.float32, device=x.device)
     if groups and cols:
-        _group_amax_kernel[(groups, triton.cdiv(cols, BLOCK_COLS))](
-            x, offs, out, cols, x.stride(0), x.stride(1), BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS)
+        chunk_group, chunk_first, bound = plan or chunk_plan(offs, x.shape[0])
+        _group_amax_kernel[(bound, triton.cdiv(cols, BLOCK_COLS))](
+            x, offs, chunk_group, chunk_first, out, groups, cols, x.stride(0), x.stride(1),
+            CHUNK_ROWS=CHUNK_ROWS, BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS)
     return out
 
 
 def cast_groups_transposed(x: torch.Tensor, offs: torch.Tensor, new_offs: torch.Tensor, width: int,
-                           scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+                           scale: torch.Tensor, dtype: torch.dtype, plan=None) -> torch.Tensor:
     """``cast_groups_transposed_reference`` in one Triton kernel (the caller checks ``available``)."""
     groups, cols = offs.numel(), x.shape[1]
     out = torch.zeros(cols, width, dtype=dtype, device=x.device)
     if groups and cols:
-        _cast_transposed_kernel[(groups, triton.cdiv(cols, BLOCK_COLS))](
-            x, offs, new_offs, scale.contiguous(), out, cols, width, x.stride(0), x.stride(1),
-            torch.finfo(dtype).max, BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS)
+        chunk_group, chunk_first, bound = plan or chunk_plan(offs, x.shape[0])
+        _cast_transposed_kernel[(bound, triton.cdiv(cols, BLOCK_COLS))](
+            x, offs, chunk_group, chunk_first, new_offs, scale.contiguous(), out, groups, cols, width,
+            x.stride(0), x.stride(1), torch.finfo(dtype).max,
+            CHUNK_ROWS=CHUNK_ROWS, BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS)
     return out
 
 
 if triton is not None:
 
     @triton.jit
-    def _group_rows(offs_ptr, g):
-        """[start, end) of group g's rows."""
-        end = tl.load(offs_ptr + g).to(tl.int64)
-        start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0).to(tl.int64)
-        return start, end
+    def _chunk_rows(offs_ptr, chunk_group_ptr, chunk_first_ptr, groups, CHUNK_ROWS: tl.constexpr):
+        """This program's group, its rows [start, end) (empty past the last chunk) and the group's end."""
+        t = tl.program_id(0)
+        g = tl.load(chunk_group_ptr + t)
+        valid = g < groups
+        g = tl.minimum(g, groups - 1)
+        group_end = tl.load(offs_ptr + g).to(tl.int64)
+        group_start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0).to(tl.int64)
+        start = group_start + (t - tl.load(chunk_first_ptr + g)).to(tl.int64) * CHUNK_ROWS
+        end = tl.where(valid, tl.minimum(group_end, start + CHUNK_ROWS), start)
+        return g, start, end, group_end, valid
 
     @triton.jit
-    def _group_amax_kernel(x_ptr, offs_ptr, out_ptr, cols, stride_n, stride_c,
-                           BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
-        g = tl.program_id(0)
+    def _group_amax_kernel(x_ptr, offs_ptr, chunk_group_ptr, chunk_first_ptr, out_ptr, groups, cols, stride_n,
+                           stride_c, CHUNK_ROWS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+        g, start, end, _, valid = _chunk_rows(offs_ptr, chunk_group_ptr, chunk_first_ptr, groups, CHUNK_ROWS)
         c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-        start, end = _group_rows(offs_ptr, g)
         acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
         for r0 in range(start, end, BLOCK_ROWS):
             r = r0 + tl.arange(0, BLOCK_ROWS)
             mask = (r[:, None] < end) & (c[None, :] < cols)
             x = tl.load(x_ptr + r[:, None] * stride_n + c[None, :] * stride_c, mask=mask, other=0.0)
             acc = tl.maximum(acc, tl.abs(x.to(tl.float32)))
-        tl.store(out_ptr + g * cols + c, tl.max(acc, axis=0), mask=c < cols)
+        # the group's chunks meet here: a max of non-negative values, the same whatever the order
+        tl.atomic_max(out_ptr + g * cols + c, tl.max(acc, axis=0), mask=(c < cols) & valid)
 
     @triton.jit
-    def _cast_transposed_kernel(x_ptr, offs_ptr, new_offs_ptr, scale_ptr, out_ptr, cols, width, stride_n, stride_c,
-                                limit, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
-        g = tl.program_id(0)
+    def _cast_transposed_kernel(x_ptr, offs_ptr, chunk_group_ptr, chunk_first_ptr, new_offs_ptr, scale_ptr, out_ptr,
+                                groups, cols, width, stride_n, stride_c, limit, CHUNK_ROWS: tl.constexpr,
+                                BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
+        g, start, end, group_end, _ = _chunk_rows(offs_ptr, chunk_group_ptr, chunk_first_ptr, groups, CHUNK_ROWS)
         c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-        start, end = _group_rows(offs_ptr, g)
-        shift = tl.load(new_offs_ptr + g).to(tl.int64) - end  # the group's padding goes before its rows
+        shift = tl.load(new_offs_ptr + g).to(tl.int64) - group_end  # the group's padding goes before its rows
         scale = tl.load(scale_ptr + g * cols + c, mask=c < cols, other=0.0)
         for r0 in range(start, end, BLOCK_ROWS):
             r = r0 + tl.arange(0, BLOCK_ROWS)

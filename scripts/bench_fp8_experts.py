@@ -2,9 +2,10 @@
 GEMMs' gradients) in bf16 and under train.fp8, with the weight gradient's FP8 operands quantized by
 the fused kernels (fused_kernels/fp8_token_groups.py) and by torch ops, at a real layer's shapes.
 
-    python scripts/bench_fp8_experts.py [--experts 64 --tokens 8192 --topk 8 --hidden 2048 --ffn 512] [--json OUT]
+    python scripts/bench_fp8_experts.py [--experts 64 --tokens 8192 --topk 8 --hidden 2048 --ffn 512] [--balanced] [--json OUT]
 
-The routing is skewed like a real router's (a quarter of the experts empty, one with a large share).
+The routing is skewed (a quarter of the experts empty, one holding about half the rows), the hard
+case for kernels that split work by expert, or with ``--balanced`` the same count for every expert.
 """
 
 from __future__ import annotations
@@ -52,11 +53,13 @@ def main(argv=None) -> int:
     ap.add_argument("--topk", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--ffn", type=int, default=512)
+    ap.add_argument("--balanced", action="store_true", help="every expert gets the same number of rows")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     gen = torch.Generator().manual_seed(0)
     rows = a.tokens * a.topk
-    offs = skewed_counts(rows, a.experts, gen).cumsum(0).to(torch.int32).cuda()
+    counts = torch.full((a.experts,), rows // a.experts) if a.balanced else skewed_counts(rows, a.experts, gen)
+    offs = counts.cumsum(0).to(torch.int32).cuda()
     x = torch.randn(rows, a.hidden, device="cuda", dtype=torch.bfloat16)
     probs = torch.rand(rows, device="cuda")
     w1 = (torch.randn(a.experts, 2 * a.ffn, a.hidden, device="cuda") / a.hidden**0.5).bfloat16().requires_grad_()
@@ -72,6 +75,7 @@ def main(argv=None) -> int:
         return run
 
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "experts": a.experts,
+              "routing": "balanced" if a.balanced else "skewed",
               "rows": rows, "hidden": a.hidden, "ffn": a.ffn}
     result["bf16_ms"] = time_ms(layer(grouped_mm))
     result["fp8_fused_ms"] = time_ms(layer(fp8.grouped_mm))

@@ -20,7 +20,7 @@ from models.common import fp8, fp8_gemm
 ROOT = Path(__file__).resolve().parents[1]
 
 # Cases: an empty group and rows past the last offset; two small groups; leading empty groups;
-# no group at all. Each with a row-major input and a column-major one (the a operand is g.mT.mT).
+# no group at all; groups of several chunks (CHUNK_ROWS = 512), whose amax meet through atomics. Each with a row-major input and a column-major one (the a operand is g.mT.mT).
 # The interpreter's fp32 -> fp8 conversion does not round to nearest even as the GPU's does, so
 # on the CPU the cast kernel writes fp32 (the same program, its last conversion a no-op): that
 # checks the grouping, padding, scales and layout bit for bit; the e4m3 store is checked on the GPU.
@@ -28,7 +28,8 @@ _INTERP_CHECK = """
 import json, torch
 from fused_kernels import fp8_token_groups as tg
 out = []
-for counts, cols, tail in [([100, 0, 417, 473], 96, 10), ([5, 3], 40, 0), ([0, 0, 64], 64, 3), ([], 16, 4)]:
+for counts, cols, tail in [([100, 0, 417, 473], 96, 10), ([5, 3], 40, 0), ([0, 0, 64], 64, 3), ([], 16, 4),
+                          ([1300, 0, 700], 80, 5)]:
     torch.manual_seed(len(counts) + cols)
     offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
     n = (int(offs[-1]) if counts else 0) + tail
@@ -52,11 +53,11 @@ def test_token_group_kernels_equal_their_references_under_the_interpreter():
                           cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(rows) == 8
+    assert len(rows) == 10
     for n, cols, amax_equal, cast_equal, shape in rows:
         assert amax_equal and cast_equal, (n, cols)
     # padded width: round_up(N, 16) + 16 per group
-    assert [r[4] for r in rows[::2]] == [[96, 1008 + 64], [40, 16 + 32], [64, 80 + 48], [16, 16]]
+    assert [r[4] for r in rows[::2]] == [[96, 1008 + 64], [40, 16 + 32], [64, 80 + 48], [16, 16], [80, 2016 + 48]]
 
 
 def test_reference_layout_puts_each_group_on_a_16_token_boundary():
@@ -97,8 +98,8 @@ def test_fast_weight_gradient_path_equals_the_emulated_one(monkeypatch):
     emulated = fp8.grouped_mm(g.t(), x, offs)
     monkeypatch.setattr(fp8_gemm, "fast_path_reason", lambda *a, **k: None)
     monkeypatch.setattr(tg, "available", lambda x: None)
-    monkeypatch.setattr(tg, "group_amax", tg.group_amax_reference)
-    monkeypatch.setattr(tg, "cast_groups_transposed", tg.cast_groups_transposed_reference)
+    monkeypatch.setattr(tg, "group_amax", lambda x, offs, plan: tg.group_amax_reference(x, offs))
+    monkeypatch.setattr(tg, "cast_groups_transposed", lambda *args: tg.cast_groups_transposed_reference(*args[:-1]))
     monkeypatch.setattr(torch, "_scaled_grouped_mm", _scaled_grouped_mm_emulated)
     fast = fp8.grouped_mm(g.t(), x, offs)
     assert fast.shape == (4, 48, 32) and fast.dtype == torch.bfloat16

@@ -294,15 +294,18 @@ def grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, re
     return grouped_matmul(aq, bq, offs, out_dtype)
 
 
-def _token_group_operand(x: torch.Tensor, offs: torch.Tensor, new_offs: torch.Tensor, width: int, recipe: Recipe):
+def _token_group_operand(x: torch.Tensor, offs: torch.Tensor, new_offs: torch.Tensor, width: int, plan,
+                         recipe: Recipe):
     """x [N, C] -> ([C, width] e4m3 with the tokens contiguous and each group padded to 16, [G, C] inverse scales)."""
-    scale = scale_from_amax(token_groups.group_amax(x, offs), E4M3, recipe.pow2_scales)
-    return token_groups.cast_groups_transposed(x, offs, new_offs, width, scale, E4M3), scale.reciprocal()
+    scale = scale_from_amax(token_groups.group_amax(x, offs, plan), E4M3, recipe.pow2_scales)
+    return token_groups.cast_groups_transposed(x, offs, new_offs, width, scale, E4M3, plan), scale.reciprocal()
 
 
 def _grouped_weight_grad_fused(a, b, offs, recipe: Recipe, out_dtype: torch.dtype) -> torch.Tensor:
-    new_offs, width = token_groups.padded_offsets(offs, b.shape[0])
-    a_data, a_inv = _token_group_operand(a.mT, offs, new_offs, width, recipe)  # [M, width], [G, M]
-    b_data, b_inv = _token_group_operand(b, offs, new_offs, width, recipe)  # [K, width], [G, K]
+    n = b.shape[0]
+    new_offs, width = token_groups.padded_offsets(offs, n)
+    plan = token_groups.chunk_plan(offs, n)  # both operands' rows are grouped by the same offsets
+    a_data, a_inv = _token_group_operand(a.mT, offs, new_offs, width, plan, recipe)  # [M, width], [G, M]
+    b_data, b_inv = _token_group_operand(b, offs, new_offs, width, plan, recipe)  # [K, width], [G, K]
     return torch._scaled_grouped_mm(a_data, b_data.t(), a_inv.reshape(-1), b_inv.reshape(-1), offs=new_offs,
                                     out_dtype=out_dtype, use_fast_accum=True)
