@@ -107,6 +107,49 @@ def test_fast_weight_gradient_path_equals_the_emulated_one(monkeypatch):
     assert not fast[1].float().any()  # the empty expert's gradient is zero
 
 
+def _scaled_mm_emulated(a, b, scale_a, scale_b, out_dtype, use_fast_accum):
+    """torch._scaled_mm written out: (a * scale_a) @ (b * scale_b), scales 0-dim or [M, 1] / [1, N]."""
+    return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_dense_weight_gradient_through_the_token_major_cast_equals_the_emulated_one(recipe, monkeypatch):
+    """The FP8 linear's weight gradient with both operands cast straight into the token-contiguous
+    layout (``fp8_gemm.token_major``: the grouped kernels with one group; their references stand in
+    here) against the emulated path: the same quantized operands, so the same weight gradient,
+    also with GDN's high-precision tail rows and when it is added into main_grad. 1000 tokens: the
+    contraction padded to 1008 (+16)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1000, 64, generator=gen).bfloat16()
+    w = (torch.randn(96, 64, generator=gen) * 0.05).bfloat16()
+    g = torch.randn(1000, 96, generator=gen).bfloat16()
+
+    def run(hp_rows, main_grad):
+        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
+        if main_grad:
+            wi.main_grad = torch.full(w.shape, 0.5)
+        spec = fp8._Spec(fp8_gemm.RECIPES[recipe], "out", None, hp_rows)
+        fp8._Fp8Linear.apply(xi, wi, None, spec, main_grad, False, False, None).backward(g)
+        return (wi.main_grad if main_grad else wi.grad).float(), xi.grad.float()
+
+    cases = [(0, False), (16, False), (0, True)]
+    emulated = [run(*c) for c in cases]
+    monkeypatch.setattr(fp8_gemm, "fast_path_reason", lambda *a, **k: None)
+    monkeypatch.setattr(tg, "available", lambda x: None)
+    monkeypatch.setattr(tg, "group_amax", lambda x, offs, plan: tg.group_amax_reference(x, offs))
+    monkeypatch.setattr(tg, "cast_groups_transposed", lambda *args: tg.cast_groups_transposed_reference(*args[:-1]))
+    monkeypatch.setattr(torch, "_scaled_mm", _scaled_mm_emulated)
+    calls = []
+    token_major = fp8_gemm.token_major
+    monkeypatch.setattr(fp8_gemm, "token_major", lambda x, *a, **k: calls.append(x.shape) or token_major(x, *a, **k))
+    for case, (dw_e, dx_e) in zip(cases, emulated):
+        dw, dx = run(*case)
+        torch.testing.assert_close(dw, dw_e, rtol=1e-2, atol=1e-3)
+        torch.testing.assert_close(dx, dx_e, rtol=0, atol=0)  # the input gradient's path is unchanged
+    assert len(calls) == 2 * len(cases)  # g and x of every weight gradient went through it
+    assert (calls[2], calls[3]) == ((1000, 80), (1000, 64))  # the 16 tail rows stay high precision
+
+
 def test_unfused_path_is_taken_loudly_once(monkeypatch, caplog):
     """Where torch's grouped FP8 GEMM runs but the kernels cannot (here: meta tensors), the torch-op
     quantization runs, with one warning naming why."""

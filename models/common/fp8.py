@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from megatron.core.tensor_parallel import layers
 
+from fused_kernels import main_grad_accumulate
 from fused_kernels.wgrad_accum import added_to_main_grad
 from models.common import fp8_gemm
 from models.common.fp8_gemm import E4M3, EXPERTS, RECIPES, Recipe
@@ -100,7 +101,9 @@ class _Fp8Linear(torch.autograd.Function):
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         g_head = g2[:, :head]
         # grad_out's contraction dim here (output features) is split under column parallelism
-        gq = fp8_gemm.quantize(g_head, r.dim(-1), r.grad_dtype, r.pow2_scales, spec.group(column))
+        g_scale = fp8_gemm.scale_from_amax(fp8_gemm.amax(g_head, r.dim(-1), spec.group(column)), r.grad_dtype,
+                                           r.pow2_scales)
+        gq = fp8_gemm.quantize_with(g_head, g_scale, r.grad_dtype)
         if r.rowwise:  # the weight along its output rows, split under column parallelism
             wq = fp8_gemm.quantize(weight[:head], 0, E4M3, r.pow2_scales, spec.group(column))
         else:  # the forward's scale (its amax, reduced once)
@@ -112,7 +115,7 @@ class _Fp8Linear(torch.autograd.Function):
 
         dw = None
         if ctx.needs_input_grad[1]:
-            dw = _weight_grad(weight, g_head, g2[:, head:], x2, gq, x_inv, ctx.accumulate, r)
+            dw = _weight_grad(weight, g_head, g2[:, head:], x2, gq, g_scale, x_inv, ctx.accumulate, r)
 
         if ctx.sequence_parallel:
             sub = dx.new_empty(x.shape)
@@ -124,12 +127,21 @@ class _Fp8Linear(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None
 
 
-def _weight_grad(weight, g_head, g_tail, x2, gq, x_inv, accumulate: bool, r: Recipe):
+def _weight_grad(weight, g_head, g_tail, x2, gq, g_scale, x_inv, accumulate: bool, r: Recipe):
     """grad_out^T @ x: FP8 for the head rows, high precision for the tail; into main_grad when fused."""
     main = weight.main_grad if accumulate and hasattr(weight, "main_grad") else None
     # the weight's dtype, also when adding into main_grad: torch's rowwise FP8 GEMM writes bf16 only
     out_dtype = weight.dtype
-    if r.rowwise:  # both operands along the tokens: neither is split there
+    if fp8_gemm.token_major_reason(x2) is None:
+        # both operands cast straight into the token-contiguous layout the GEMM takes (one pass
+        # each, instead of a cast and an fp8 transposed copy); the same scales as below
+        if r.rowwise:
+            gtq = fp8_gemm.token_major(g_head, E4M3, r)
+            xq = fp8_gemm.token_major(x2, E4M3, r).t()
+        else:
+            gtq = fp8_gemm.token_major(g_head, r.grad_dtype, r, scale=g_scale)
+            xq = fp8_gemm.token_major(x2, E4M3, r, scale=x_inv.reciprocal()).t()
+    elif r.rowwise:  # both operands along the tokens: neither is split there
         gtq = fp8_gemm.quantize(g_head.t(), -1, E4M3, r.pow2_scales)
         xq = fp8_gemm.quantize(x2, 0, E4M3, r.pow2_scales)
     else:  # the same tensor scales as the forward and the input gradient
@@ -139,9 +151,10 @@ def _weight_grad(weight, g_head, g_tail, x2, gq, x_inv, accumulate: bool, r: Rec
     dw_tail = (g_tail.t() @ x2.to(g_tail.dtype)) if g_tail.shape[1] else None
     if main is None:
         return dw_head if dw_tail is None else torch.cat([dw_head, dw_tail.to(dw_head.dtype)])
-    main[:dw_head.shape[0]].add_(dw_head)
+    # fp32 += bf16 through the vectorised kernel (torch's add_ runs it well under the bandwidth)
+    main_grad_accumulate.accumulate_(main[:dw_head.shape[0]], dw_head)
     if dw_tail is not None:
-        main[dw_head.shape[0]:].add_(dw_tail)
+        main_grad_accumulate.accumulate_(main[dw_head.shape[0]:], dw_tail.to(dw_head.dtype))
     if hasattr(weight, "grad_added_to_main_grad"):
         return added_to_main_grad(weight)
     return None

@@ -309,3 +309,42 @@ def _grouped_weight_grad_fused(a, b, offs, recipe: Recipe, out_dtype: torch.dtyp
     b_data, b_inv = _token_group_operand(b, offs, new_offs, width, plan, recipe)  # [K, width], [G, K]
     return torch._scaled_grouped_mm(a_data, b_data.t(), a_inv.reshape(-1), b_inv.reshape(-1), offs=new_offs,
                                     out_dtype=out_dtype, use_fast_accum=True)
+
+
+# ----------------------------------------------------------------------------- the dense weight gradient
+
+
+@functools.cache
+def _warn_token_major(reason: str) -> None:
+    log.warning("FP8: the weight gradient's fused cast-and-transpose not used (%s); casting, then copying "
+                "the fp8 operands transposed", reason)
+
+
+def token_major_reason(x: torch.Tensor) -> str | None:
+    """None when ``token_major`` runs for x: torch's FP8 GEMM and the Triton kernels both run here;
+    else why not (the second, warned once: the fast GEMM then takes the copies)."""
+    reason = fast_path_reason(x.device)
+    if reason is None:
+        reason = token_groups.available(x)
+        if reason is not None:
+            _warn_token_major(reason)
+    return reason
+
+
+def token_major(x: torch.Tensor, dtype: torch.dtype, recipe: Recipe, scale: torch.Tensor | None = None) -> Quantized:
+    """x [N, C] as the token-contiguous operand of a weight gradient: [C, width] in ``dtype``, the N
+    tokens zero-padded to a multiple of 16 (the contraction of torch's FP8 GEMM), with ``scale``
+    (0-dim, tensorwise) or, when None, one scale per column over the tokens (rowwise, [C, 1]).
+    The grouped kernels with one group: the padding zeros add nothing to the product."""
+    n, cols = x.shape
+    offs = torch.full((1,), n, dtype=torch.int32, device=x.device)  # a fill kernel: no host copy
+    new_offs, width = token_groups.padded_offsets(offs, n)
+    plan = token_groups.chunk_plan(offs, n)
+    if scale is None:
+        scale = scale_from_amax(token_groups.group_amax(x, offs, plan), dtype, recipe.pow2_scales)  # [1, C]
+        inv = scale.reciprocal().t()
+    else:
+        inv = scale.reciprocal()
+    data = token_groups.cast_groups_transposed(x, offs, new_offs, width, scale.reshape(1, -1).expand(1, cols),
+                                               dtype, plan)
+    return Quantized(data, inv)
