@@ -327,7 +327,7 @@ def test_compiled_casts_cover_every_operand_kind_of_both_recipes(monkeypatch):
 
     compiled = run()
     kinds = [len(torch._dynamo.eval_frame._debug_get_cache_entry_list(f.__code__))
-             for f in (fp8_gemm._amax, fp8_gemm._scaled_cast)]
+             for f in (fp8_gemm._amax, fp8_gemm._scaled_cast, fp8_gemm._scaled_cast_column_major)]
     monkeypatch.setattr(fp8_gemm, "_kernel", lambda fn, x: fn)
     for c, e in zip(compiled, run()):
         torch.testing.assert_close(c, e, rtol=0, atol=0)

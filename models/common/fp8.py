@@ -104,10 +104,11 @@ class _Fp8Linear(torch.autograd.Function):
         g_scale = fp8_gemm.scale_from_amax(fp8_gemm.amax(g_head, r.dim(-1), spec.group(column)), r.grad_dtype,
                                            r.pow2_scales)
         gq = fp8_gemm.quantize_with(g_head, g_scale, r.grad_dtype)
+        # the weight as the GEMM's second operand ([out, in] read as [K, N]): cast column-major
         if r.rowwise:  # the weight along its output rows, split under column parallelism
-            wq = fp8_gemm.quantize(weight[:head], 0, E4M3, r.pow2_scales, spec.group(column))
+            wq = fp8_gemm.quantize(weight[:head], 0, E4M3, r.pow2_scales, spec.group(column), column_major=True)
         else:  # the forward's scale (its amax, reduced once)
-            wq = fp8_gemm.quantize_with(weight[:head], w_inv.reciprocal(), E4M3)
+            wq = fp8_gemm.quantize_with(weight[:head], w_inv.reciprocal(), E4M3, column_major=True)
         dx = fp8_gemm.matmul(gq, wq, g2.dtype, fast_accum=False)
         if spec.hp_rows:
             dx = dx + g2[:, head:] @ weight[head:].to(g2.dtype)
@@ -179,7 +180,7 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Te
     r = EXPERTS
     if b.dim() == 3:  # [N, K] x [G, K, M]: a per row, b per (expert, output column), both along K
         aq = fp8_gemm.quantize(a, -1, E4M3, r.pow2_scales)
-        bq = fp8_gemm.quantize(b, -2, E4M3, r.pow2_scales)
+        bq = fp8_gemm.quantize(b, -2, E4M3, r.pow2_scales, column_major=True)
         return fp8_gemm.grouped_matmul(aq, bq, offs, a.dtype)
     # [K, N] x [N, M] -> [G, K, M]: the contraction runs over each group's tokens
     return fp8_gemm.grouped_weight_grad(a, b, offs, r, a.dtype)

@@ -134,13 +134,24 @@ def scale_from_amax(a: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Te
     return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
 
 
-def quantize_with(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Quantized:
-    return Quantized(_kernel(_scaled_cast, x)(x, scale, dtype), scale.reciprocal())
+def _scaled_cast_column_major(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The cast, written column-major (the last two dims transposed in memory), as torch's FP8 GEMMs
+    take their second operand: compiled, the transpose is part of the cast's one kernel, instead of
+    a second pass of torch's generic copy over the fp8 bytes (slow on a transpose)."""
+    return _scaled_cast(x, scale, dtype).mT.contiguous().mT
 
 
-def quantize(x: torch.Tensor, dim: int | None, dtype: torch.dtype, pow2: bool, group=None) -> Quantized:
+def quantize_with(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, column_major: bool = False) -> Quantized:
+    """``x`` cast with ``scale``; ``column_major``: laid out as a GEMM's second operand (a weight in
+    the input gradient's GEMM, a [G, K, M] expert weight)."""
+    cast = _scaled_cast_column_major if column_major else _scaled_cast
+    return Quantized(_kernel(cast, x)(x, scale, dtype), scale.reciprocal())
+
+
+def quantize(x: torch.Tensor, dim: int | None, dtype: torch.dtype, pow2: bool, group=None,
+             column_major: bool = False) -> Quantized:
     """``x`` in ``dtype`` with one scale over ``dim`` (None: the whole tensor)."""
-    return quantize_with(x, scale_from_amax(amax(x, dim, group), dtype, pow2), dtype)
+    return quantize_with(x, scale_from_amax(amax(x, dim, group), dtype, pow2), dtype, column_major)
 
 
 # ----------------------------------------------------------------------------- fast path or reference
