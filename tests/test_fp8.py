@@ -298,8 +298,9 @@ def test_group_padding_aligns_every_group_and_changes_no_product():
 
 
 def test_compiled_casts_cover_every_operand_kind_of_both_recipes(monkeypatch):
-    """On the GPU the amax and the cast run compiled (dynamo + inductor); dynamo compiles them once
-    per operand kind (rank, layout, scale shape, fp8 type, amax dimension). Both recipes' linear
+    """On the GPU the amax and the cast run compiled (dynamo + inductor), as one function where no
+    all-reduce sits between them; dynamo compiles each once per operand kind (rank, layout, scale
+    shape, fp8 type, amax dimension): here 1 amax, 4 casts, 5 quantizations, 2 column-major ones. Both recipes' linear
     forward and backward and the grouped GEMMs, driven through the same wrapper with dynamo's
     eager backend (its guards and recompiles, no code generation), stay within the recompile
     limit and give the eager numbers. Before the wrapper detached its input, requires_grad was
@@ -327,11 +328,11 @@ def test_compiled_casts_cover_every_operand_kind_of_both_recipes(monkeypatch):
 
     compiled = run()
     kinds = [len(torch._dynamo.eval_frame._debug_get_cache_entry_list(f.__code__))
-             for f in (fp8_gemm._amax, fp8_gemm._scaled_cast, fp8_gemm._scaled_cast_column_major)]
+             for f in (fp8_gemm._amax, fp8_gemm._scaled_cast, fp8_gemm._quantize, fp8_gemm._quantize_column_major)]
     monkeypatch.setattr(fp8_gemm, "_kernel", lambda fn, x: fn)
     for c, e in zip(compiled, run()):
         torch.testing.assert_close(c, e, rtol=0, atol=0)
-    assert min(kinds) >= 2 and max(kinds) <= fp8_gemm.RECOMPILE_LIMIT  # compiled, and within the limit
+    assert min(kinds) >= 1 and max(kinds) <= fp8_gemm.RECOMPILE_LIMIT  # compiled, and within the limit
     torch._dynamo.reset()
 
 

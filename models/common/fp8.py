@@ -101,9 +101,12 @@ class _Fp8Linear(torch.autograd.Function):
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         g_head = g2[:, :head]
         # grad_out's contraction dim here (output features) is split under column parallelism
-        g_scale = fp8_gemm.scale_from_amax(fp8_gemm.amax(g_head, r.dim(-1), spec.group(column)), r.grad_dtype,
-                                           r.pow2_scales)
-        gq = fp8_gemm.quantize_with(g_head, g_scale, r.grad_dtype)
+        if r.rowwise:
+            gq, g_scale = fp8_gemm.quantize(g_head, -1, r.grad_dtype, r.pow2_scales, spec.group(column)), None
+        else:  # its scale again in the weight gradient
+            g_scale = fp8_gemm.scale_from_amax(fp8_gemm.amax(g_head, None, spec.group(column)), r.grad_dtype,
+                                               r.pow2_scales)
+            gq = fp8_gemm.quantize_with(g_head, g_scale, r.grad_dtype)
         # the weight as the GEMM's second operand ([out, in] read as [K, N]): cast column-major
         if r.rowwise:  # the weight along its output rows, split under column parallelism
             wq = fp8_gemm.quantize(weight[:head], 0, E4M3, r.pow2_scales, spec.group(column), column_major=True)
