@@ -336,6 +336,28 @@ def test_compiled_casts_cover_every_operand_kind_of_both_recipes(monkeypatch):
     torch._dynamo.reset()
 
 
+def test_inductor_compiles_the_quantizations_to_the_eager_bits_and_layouts():
+    """The quantizations as inductor compiles them (its CPU code generation here; the graph and its
+    lowering are the GPU's): the same fp8 bytes and inverse scales as eager, and the column-major
+    cast written column-major, so the GEMM takes it without a copy."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 64, generator=gen).bfloat16()
+    w = torch.randn(4, 64, 32, generator=gen).bfloat16()
+    cases = [(fp8_gemm._quantize, (x, -1, fp8_gemm.E4M3, True)), (fp8_gemm._quantize, (x, None, fp8_gemm.E5M2, False)),
+             (fp8_gemm._quantize_column_major, (w, -2, fp8_gemm.E4M3, True)),
+             (fp8_gemm._quantize_column_major, (x, 0, fp8_gemm.E4M3, False))]
+    for fn, args in cases:
+        (data, inv), (want, want_inv) = torch.compile(fn, dynamic=True, fullgraph=True)(*args), fn(*args)
+        assert torch.equal(data.view(torch.uint8), want.view(torch.uint8)) and torch.equal(inv, want_inv)
+        assert data.stride() == want.stride()
+        if fn is fp8_gemm._quantize_column_major:
+            assert data.stride(-2) == 1
+    torch._dynamo.reset()
+
+
 # ----------------------------------------------------------------------------- the GPU
 
 
