@@ -21,16 +21,8 @@ import torch  # noqa: E402
 from fused_kernels import fused_swiglu as fs  # noqa: E402
 from fused_kernels import main_grad_accumulate as mga  # noqa: E402
 from fused_kernels.grouped_gemm import grouped_mm, grouped_mm_reference  # noqa: E402
-
-
-def _counts(n_rows: int, experts: int, gen) -> torch.Tensor:
-    """Skewed counts with empty experts: a quarter get nothing, one gets a large share."""
-    weights = torch.rand(experts, generator=gen) ** 3
-    weights[torch.randperm(experts, generator=gen)[: experts // 4]] = 0
-    weights[0] += weights.sum()
-    counts = torch.floor(weights / weights.sum() * n_rows).long()
-    counts[0] += n_rows - counts.sum()
-    return counts
+from scripts.bench_fp8_experts import skewed_counts as _counts  # noqa: E402
+from scripts.bench_fp8_experts import time_ms  # noqa: E402
 
 
 def _rel(a, b) -> float:
@@ -77,20 +69,10 @@ def check_accumulate(numel: int) -> dict:
     ours = main.clone()
     mga.accumulate_(ours, grad)
     gb = numel * 10 / 1e9  # fp32 read + write, bf16 read
-    kernel_ms, add_ms = _time(lambda: mga.accumulate_(main, grad)), _time(lambda: main.add_(grad))
+    kernel_ms, add_ms = time_ms(lambda: mga.accumulate_(main, grad), reps=5), time_ms(lambda: main.add_(grad), reps=5)
     return {"numel": numel, "bit_exact": bool(torch.equal(ours, ref)), "kernel_ms": kernel_ms,
             "torch_add_ms": add_ms, "kernel_tb_per_s": gb / kernel_ms, "torch_add_tb_per_s": gb / add_ms,
             "ok": bool(torch.equal(ours, ref))}
-
-
-def _time(fn, reps: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / reps * 1e3
 
 
 def check_module(experts: int, tokens: int, topk: int, h: int, f: int) -> dict:
@@ -144,8 +126,8 @@ def check_module(experts: int, tokens: int, topk: int, h: int, f: int) -> dict:
     ws = torch.stack([e.linear_fc1.weight.grad if e.linear_fc1.weight.grad is not None
                       else torch.zeros_like(e.linear_fc1.weight) for e in seq.local_experts])
     errs["dw1"] = _rel(wg, ws)
-    ms_g = _time(lambda: step(grouped, counts.cuda()))
-    ms_s = _time(lambda: step(seq, counts), reps=2)
+    ms_g = time_ms(lambda: step(grouped, counts.cuda()), reps=5)
+    ms_s = time_ms(lambda: step(seq, counts), reps=2)
     flop = 6 * rows * h * 3 * f  # fc1 (2F) + fc2 (F), forward + backward
     return {"experts": experts, "tokens": tokens, "topk": topk, "rel_err_vs_sequential": errs,
             "ok": all(v < 2e-2 for v in errs.values()),
