@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from fused_kernels import main_grad_accumulate
+
 SMALL = 1 << 20  # elements; at or above this a gradient keeps its own add
 MAX_GAP = 64  # elements of padding a run may bridge
 
@@ -55,8 +57,8 @@ def plan_runs(mains: list[torch.Tensor], grads: list[torch.Tensor], small: int =
 def add_into_main_grads(mains: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
     """``mains[i] += grads[i]`` for every i (fp32 main_grads, gradients of any float dtype)."""
     single, runs = plan_runs(mains, grads)
-    for i in single:
-        mains[i].add_(grads[i])
+    for i in single:  # large ones: the vectorised fp32 += bf16 kernel (bit-identical to add_)
+        main_grad_accumulate.accumulate_(mains[i], grads[i])
     for run in runs:
         first, last = mains[run[0]], mains[run[-1]]
         start = first.storage_offset()
