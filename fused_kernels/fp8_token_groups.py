@@ -7,7 +7,7 @@ each operand per (expert, column) over that expert's rows, and torch's grouped F
 operands with the tokens contiguous ([M, width] and [K, width]) and every group starting on a
 multiple of 16 tokens. Written with torch ops that is a scatter-reduce for the amax (atomics over
 every element), a gathered [N, C] scale tensor, a cast, an fp8 transpose and an index copy into the
-padded layout: five passes, the first alone a quarter of an FP8 MoE step in the profile. Here:
+padded layout: five passes, the first the largest single cost of an FP8 MoE step (docs/fp8.md). Here:
 
 - ``group_amax``: [G, C] fp32 max |x| over each group's rows;
 - the caller turns it into scales (``models/common/fp8_gemm.py``, the same function as every cast);
