@@ -300,7 +300,7 @@ def test_group_padding_aligns_every_group_and_changes_no_product():
 def test_compiled_casts_cover_every_operand_kind_of_both_recipes(monkeypatch):
     """On the GPU the amax and the cast run compiled (dynamo + inductor), as one function where no
     all-reduce sits between them; dynamo compiles each once per operand kind (rank, layout, scale
-    shape, fp8 type, amax dimension): here 1 amax, 4 casts, 5 quantizations, 2 column-major ones. Both recipes' linear
+    shape, fp8 type, amax dimension, layout written): here 1 amax, 4 casts, 7 quantizations. Both recipes' linear
     forward and backward and the grouped GEMMs, driven through the same wrapper with dynamo's
     eager backend (its guards and recompiles, no code generation), stay within the recompile
     limit and give the eager numbers. Before the wrapper detached its input, requires_grad was
@@ -328,7 +328,7 @@ def test_compiled_casts_cover_every_operand_kind_of_both_recipes(monkeypatch):
 
     compiled = run()
     kinds = [len(torch._dynamo.eval_frame._debug_get_cache_entry_list(f.__code__))
-             for f in (fp8_gemm._amax, fp8_gemm._scaled_cast, fp8_gemm._quantize, fp8_gemm._quantize_column_major)]
+             for f in (fp8_gemm._amax, fp8_gemm._scaled_cast, fp8_gemm._quantize)]
     monkeypatch.setattr(fp8_gemm, "_kernel", lambda fn, x: fn)
     for c, e in zip(compiled, run()):
         torch.testing.assert_close(c, e, rtol=0, atol=0)
@@ -346,14 +346,14 @@ def test_inductor_compiles_the_quantizations_to_the_eager_bits_and_layouts():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(300, 64, generator=gen).bfloat16()
     w = torch.randn(4, 64, 32, generator=gen).bfloat16()
-    cases = [(fp8_gemm._quantize, (x, -1, fp8_gemm.E4M3, True)), (fp8_gemm._quantize, (x, None, fp8_gemm.E5M2, False)),
-             (fp8_gemm._quantize_column_major, (w, -2, fp8_gemm.E4M3, True)),
-             (fp8_gemm._quantize_column_major, (x, 0, fp8_gemm.E4M3, False))]
-    for fn, args in cases:
-        (data, inv), (want, want_inv) = torch.compile(fn, dynamic=True, fullgraph=True)(*args), fn(*args)
+    cases = [(x, -1, fp8_gemm.E4M3, True, False), (x, None, fp8_gemm.E5M2, False, False),
+             (w, -2, fp8_gemm.E4M3, True, True), (x, 0, fp8_gemm.E4M3, False, True)]
+    compiled = torch.compile(fp8_gemm._quantize, dynamic=True, fullgraph=True)
+    for args in cases:
+        (data, inv), (want, want_inv) = compiled(*args), fp8_gemm._quantize(*args)
         assert torch.equal(data.view(torch.uint8), want.view(torch.uint8)) and torch.equal(inv, want_inv)
         assert data.stride() == want.stride()
-        if fn is fp8_gemm._quantize_column_major:
+        if args[-1]:  # column_major
             assert data.stride(-2) == 1
     torch._dynamo.reset()
 

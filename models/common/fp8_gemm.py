@@ -148,24 +148,19 @@ def quantize_with(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, colu
     return Quantized(_kernel(cast, x)(x, scale, dtype), scale.reciprocal())
 
 
-def _quantize(x: torch.Tensor, dim: int | None, dtype: torch.dtype, pow2: bool):
+def _quantize(x: torch.Tensor, dim: int | None, dtype: torch.dtype, pow2: bool, column_major: bool):
     """amax, scale and cast as one compiled function: for a reduction along rows that fit a
     program (a token's features), inductor makes it one kernel that reads x once."""
     scale = scale_from_amax(_amax(x, dim), dtype, pow2)
-    return _scaled_cast(x, scale, dtype), scale.reciprocal()
-
-
-def _quantize_column_major(x: torch.Tensor, dim: int | None, dtype: torch.dtype, pow2: bool):
-    scale = scale_from_amax(_amax(x, dim), dtype, pow2)
-    return _scaled_cast_column_major(x, scale, dtype), scale.reciprocal()
+    cast = _scaled_cast_column_major if column_major else _scaled_cast
+    return cast(x, scale, dtype), scale.reciprocal()
 
 
 def quantize(x: torch.Tensor, dim: int | None, dtype: torch.dtype, pow2: bool, group=None,
              column_major: bool = False) -> Quantized:
     """``x`` in ``dtype`` with one scale over ``dim`` (None: the whole tensor)."""
     if group is None or group.size() == 1:
-        fn = _quantize_column_major if column_major else _quantize
-        return Quantized(*_kernel(fn, x)(x, dim, dtype, pow2))
+        return Quantized(*_kernel(_quantize, x)(x, dim, dtype, pow2, column_major))
     # the amax is all-reduced over the group between the reduction and the cast
     return quantize_with(x, scale_from_amax(amax(x, dim, group), dtype, pow2), dtype, column_major)
 
