@@ -27,7 +27,6 @@ from multimodal.config import Config, ConfigError, vision_warmup_patches
 from multimodal.freeze import describe as describe_freeze
 from multimodal.freeze import freeze
 from multimodal.lora import apply_lora
-from multimodal.performance.ddp_grad_add import vectorised_grad_adds
 from multimodal.platform import Runtime
 
 log = logging.getLogger(__name__)
@@ -142,9 +141,8 @@ class DDPWrap(ModelTransform):
             use_distributed_optimizer=p.use_distributed_optimizer,
             average_in_collective=False,  # per-token loss: the one division is by the token count
         )
-        with vectorised_grad_adds():  # DDP's main_grad adds through the vectorised kernel (bit-identical)
-            build.ddp = [DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk)
-                         for chunk in build.chunks]
+        build.ddp = [DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk)
+                     for chunk in build.chunks]
         return (f"DDP over {len(build.ddp)} model chunk(s): fp32 gradient buffers, overlap_grad_reduce="
                 f"{p.overlap_grad_reduce}, distributed optimizer={p.use_distributed_optimizer}")
 
