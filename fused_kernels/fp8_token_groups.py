@@ -14,6 +14,12 @@ padded layout: five passes, the first the largest single cost of an FP8 MoE step
 - ``cast_groups_transposed``: casts each row with its group's scales and stores it transposed, at
   the padded position ``row + new_offs[g] - offs[g]``.
 
+A dense linear's weight gradient is the case of one group holding every row: ``column_amax`` and
+``cast_transposed`` run the same kernels with the group's bounds taken from the row count instead
+of device tensors (no offsets, chunk plan or zero fill to build first: a handful of small launches
+per operand that a dense step, already waiting on the host, cannot afford), the padding after the
+rows.
+
 Each program takes one chunk of one group's rows (``chunk_plan``) and one block of columns: its
 bounds are scalars, so it reads and writes contiguous memory, and a group holding most of the rows
 (a popular expert) is spread over many programs; the chunks of one group meet in the amax through
@@ -91,6 +97,22 @@ def cast_groups_transposed_reference(x: torch.Tensor, offs: torch.Tensor, new_of
     return out.view(dtype)
 
 
+def column_amax_reference(x: torch.Tensor) -> torch.Tensor:
+    """[1, C] fp32 max |x| over every row of x [N, C] (no rows: 0)."""
+    out = torch.zeros(1, x.shape[1], dtype=torch.float32, device=x.device)
+    return torch.maximum(out, x.abs().float().amax(0, keepdim=True)) if x.shape[0] else out
+
+
+def cast_transposed_reference(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[C, round_up(N, 16)] in ``dtype``: x [N, C] times ``scale`` [1, C], clamped and cast,
+    transposed, zeros in the padding columns after the N rows."""
+    n, cols = x.shape
+    limit = torch.finfo(dtype).max
+    out = torch.zeros(cols, -(-n // ALIGN) * ALIGN, dtype=dtype, device=x.device)
+    out[:, :n] = (x.float() * scale).clamp(-limit, limit).to(dtype).t()
+    return out
+
+
 # ----------------------------------------------------------------------------- kernels
 
 
@@ -117,8 +139,19 @@ def group_amax(x: torch.Tensor, offs: torch.Tensor, plan=None) -> torch.Tensor:
     if groups and cols:
         chunk_group, chunk_first, bound = plan or chunk_plan(offs, x.shape[0])
         _group_amax_kernel[(bound, triton.cdiv(cols, BLOCK_COLS))](
-            x, offs, chunk_group, chunk_first, out, groups, cols, x.stride(0), x.stride(1),
-            CHUNK_ROWS=CHUNK_ROWS, BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS)
+            x, offs, chunk_group, chunk_first, out, groups, cols, x.shape[0], x.stride(0), x.stride(1),
+            CHUNK_ROWS=CHUNK_ROWS, BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS, ONE_GROUP=False)
+    return out
+
+
+def column_amax(x: torch.Tensor) -> torch.Tensor:
+    """``column_amax_reference`` in one Triton kernel (the caller checks ``available``)."""
+    n, cols = x.shape
+    out = torch.zeros(1, cols, dtype=torch.float32, device=x.device)
+    if n and cols:  # the offsets and chunk plan arguments are unused with ONE_GROUP
+        _group_amax_kernel[(triton.cdiv(n, CHUNK_ROWS), triton.cdiv(cols, BLOCK_COLS))](
+            x, out, out, out, out, 1, cols, n, x.stride(0), x.stride(1),
+            CHUNK_ROWS=CHUNK_ROWS, BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS, ONE_GROUP=True)
     return out
 
 
@@ -130,31 +163,58 @@ def cast_groups_transposed(x: torch.Tensor, offs: torch.Tensor, new_offs: torch.
     if groups and cols:
         chunk_group, chunk_first, bound = plan or chunk_plan(offs, x.shape[0])
         _cast_transposed_kernel[(bound, triton.cdiv(cols, BLOCK_COLS))](
-            x, offs, chunk_group, chunk_first, new_offs, scale.contiguous(), out, groups, cols, width,
+            x, offs, chunk_group, chunk_first, new_offs, scale.contiguous(), out, groups, cols, x.shape[0], width,
             x.stride(0), x.stride(1), torch.finfo(dtype).max,
-            CHUNK_ROWS=CHUNK_ROWS, BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS)
+            CHUNK_ROWS=CHUNK_ROWS, BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS, ONE_GROUP=False)
+    return out
+
+
+def cast_transposed(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``cast_transposed_reference`` in one Triton kernel (the caller checks ``available``); ``scale``
+    [1, C], or 0-dim (tensorwise: broadcast, not copied)."""
+    n, cols = x.shape
+    width = -(-n // ALIGN) * ALIGN
+    out = torch.empty(cols, width, dtype=dtype, device=x.device)
+    if width > n:  # only the padding needs zeros: a strided fill of at most 15 columns
+        out[:, n:].zero_()
+    if n and cols:
+        scale = scale.reshape(-1)
+        _cast_transposed_kernel[(triton.cdiv(n, CHUNK_ROWS), triton.cdiv(cols, BLOCK_COLS))](
+            x, out, out, out, out, scale, out, 1, cols, n, width, x.stride(0), x.stride(1), torch.finfo(dtype).max,
+            CHUNK_ROWS=CHUNK_ROWS, BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS, ONE_GROUP=True,
+            SCALAR_SCALE=scale.numel() == 1)
     return out
 
 
 if triton is not None:
 
     @triton.jit
-    def _chunk_rows(offs_ptr, chunk_group_ptr, chunk_first_ptr, groups, CHUNK_ROWS: tl.constexpr):
-        """This program's group, its rows [start, end) (empty past the last chunk) and the group's end."""
+    def _chunk_rows(offs_ptr, chunk_group_ptr, chunk_first_ptr, groups, n, CHUNK_ROWS: tl.constexpr,
+                    ONE_GROUP: tl.constexpr):
+        """This program's group, its rows [start, end) (empty past the last chunk) and the group's end;
+        with ONE_GROUP, group 0 holds the n rows and the metadata pointers are not read."""
         t = tl.program_id(0)
-        g = tl.load(chunk_group_ptr + t)
-        valid = g < groups
-        g = tl.minimum(g, groups - 1)
-        group_end = tl.load(offs_ptr + g).to(tl.int64)
-        group_start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0).to(tl.int64)
-        start = group_start + (t - tl.load(chunk_first_ptr + g)).to(tl.int64) * CHUNK_ROWS
+        if ONE_GROUP:
+            g = t * 0
+            valid = t >= 0
+            group_end = (t * 0 + n).to(tl.int64)  # n may arrive as a constexpr (1)
+            start = t.to(tl.int64) * CHUNK_ROWS
+        else:
+            g = tl.load(chunk_group_ptr + t)
+            valid = g < groups
+            g = tl.minimum(g, groups - 1)
+            group_end = tl.load(offs_ptr + g).to(tl.int64)
+            group_start = tl.load(offs_ptr + g - 1, mask=g > 0, other=0).to(tl.int64)
+            start = group_start + (t - tl.load(chunk_first_ptr + g)).to(tl.int64) * CHUNK_ROWS
         end = tl.where(valid, tl.minimum(group_end, start + CHUNK_ROWS), start)
         return g, start, end, group_end, valid
 
     @triton.jit
-    def _group_amax_kernel(x_ptr, offs_ptr, chunk_group_ptr, chunk_first_ptr, out_ptr, groups, cols, stride_n,
-                           stride_c, CHUNK_ROWS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
-        g, start, end, _, valid = _chunk_rows(offs_ptr, chunk_group_ptr, chunk_first_ptr, groups, CHUNK_ROWS)
+    def _group_amax_kernel(x_ptr, offs_ptr, chunk_group_ptr, chunk_first_ptr, out_ptr, groups, cols, n, stride_n,
+                           stride_c, CHUNK_ROWS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+                           ONE_GROUP: tl.constexpr):
+        g, start, end, _, valid = _chunk_rows(offs_ptr, chunk_group_ptr, chunk_first_ptr, groups, n, CHUNK_ROWS,
+                                              ONE_GROUP)
         c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
         acc = tl.zeros([BLOCK_ROWS, BLOCK_COLS], dtype=tl.float32)
         for r0 in range(start, end, BLOCK_ROWS):
@@ -167,12 +227,20 @@ if triton is not None:
 
     @triton.jit
     def _cast_transposed_kernel(x_ptr, offs_ptr, chunk_group_ptr, chunk_first_ptr, new_offs_ptr, scale_ptr, out_ptr,
-                                groups, cols, width, stride_n, stride_c, limit, CHUNK_ROWS: tl.constexpr,
-                                BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
-        g, start, end, group_end, _ = _chunk_rows(offs_ptr, chunk_group_ptr, chunk_first_ptr, groups, CHUNK_ROWS)
+                                groups, cols, n, width, stride_n, stride_c, limit, CHUNK_ROWS: tl.constexpr,
+                                BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, ONE_GROUP: tl.constexpr,
+                                SCALAR_SCALE: tl.constexpr = False):
+        g, start, end, group_end, _ = _chunk_rows(offs_ptr, chunk_group_ptr, chunk_first_ptr, groups, n, CHUNK_ROWS,
+                                                  ONE_GROUP)
         c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
-        shift = tl.load(new_offs_ptr + g).to(tl.int64) - group_end  # the group's padding goes before its rows
-        scale = tl.load(scale_ptr + g * cols + c, mask=c < cols, other=0.0)
+        if ONE_GROUP:  # the rows first, the padding after them
+            shift = start * 0
+        else:  # the group's padding goes before its rows
+            shift = tl.load(new_offs_ptr + g).to(tl.int64) - group_end
+        if SCALAR_SCALE:
+            scale = tl.load(scale_ptr + c * 0)
+        else:
+            scale = tl.load(scale_ptr + g * cols + c, mask=c < cols, other=0.0)
         for r0 in range(start, end, BLOCK_ROWS):
             r = r0 + tl.arange(0, BLOCK_ROWS)
             mask = (r[:, None] < end) & (c[None, :] < cols)

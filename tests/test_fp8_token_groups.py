@@ -43,7 +43,18 @@ for counts, cols, tail in [([100, 0, 417, 473], 96, 10), ([5, 3], 40, 0), ([0, 0
         want = tg.cast_groups_transposed_reference(v, offs, new_offs, width, scale, torch.float32)
         out.append([n, cols, bool(torch.equal(amax, tg.group_amax_reference(v, offs))), bool(torch.equal(got, want)),
                     list(got.shape)])
-print(json.dumps(out))
+dense = []
+for n, cols in [(1000, 96), (1300, 40), (32, 64), (0, 16)]:  # one chunk padded, several chunks, aligned, empty
+    torch.manual_seed(n + cols)
+    x = (torch.randn(n, cols) * torch.logspace(-3, 2, cols)).to(torch.bfloat16)
+    for v in (x, x.t().contiguous().t()):
+        amax = tg.column_amax(v)
+        want_amax = tg.column_amax_reference(v)
+        for scale in (448.0 / want_amax.clamp(min=1e-12), torch.tensor(0.37)):
+            got = tg.cast_transposed(v, scale, torch.float32)
+            want = tg.cast_transposed_reference(v, scale, torch.float32)
+            dense.append([n, cols, bool(torch.equal(amax, want_amax)), bool(torch.equal(got, want)), list(got.shape)])
+print(json.dumps([out, dense]))
 """
 
 
@@ -52,12 +63,25 @@ def test_token_group_kernels_equal_their_references_under_the_interpreter():
     proc = subprocess.run([sys.executable, "-c", _INTERP_CHECK], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(rows) == 10
+    rows, dense = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(rows) == 10 and len(dense) == 16
     for n, cols, amax_equal, cast_equal, shape in rows:
         assert amax_equal and cast_equal, (n, cols)
     # padded width: round_up(N, 16) + 16 per group
     assert [r[4] for r in rows[::2]] == [[96, 1008 + 64], [40, 16 + 32], [64, 80 + 48], [16, 16], [80, 2016 + 48]]
+    # one group (a dense weight gradient): both scale forms, padded only to round_up(N, 16)
+    for n, cols, amax_equal, cast_equal, shape in dense:
+        assert amax_equal and cast_equal, (n, cols)
+    assert [r[4] for r in dense[::4]] == [[96, 1008], [40, 1312], [64, 32], [16, 0]]
+
+
+def test_dense_reference_layout_puts_the_padding_after_the_rows():
+    x = torch.tensor([[1.0, -2.0], [3.0, 4.0], [-5.0, 0.5]])
+    out = tg.cast_transposed_reference(x, torch.tensor([[2.0, 10.0]]), torch.float32)
+    want = torch.zeros(2, 16)
+    want[:, :3] = torch.tensor([[2.0, 6.0, -10.0], [-20.0, 40.0, 5.0]])
+    assert torch.equal(out, want)
+    assert torch.equal(tg.column_amax_reference(x), torch.tensor([[5.0, 4.0]]))
 
 
 def test_reference_layout_puts_each_group_on_a_16_token_boundary():
@@ -118,7 +142,7 @@ def test_dense_weight_gradient_through_the_token_major_cast_equals_the_emulated_
     layout (``fp8_gemm.token_major``: the grouped kernels with one group; their references stand in
     here) against the emulated path: the same quantized operands, so the same weight gradient,
     also with GDN's high-precision tail rows and when it is added into main_grad. 1000 tokens: the
-    contraction padded to 1008 (+16)."""
+    contraction padded to 1008."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1000, 64, generator=gen).bfloat16()
     w = (torch.randn(96, 64, generator=gen) * 0.05).bfloat16()
@@ -137,7 +161,8 @@ def test_dense_weight_gradient_through_the_token_major_cast_equals_the_emulated_
     monkeypatch.setattr(fp8_gemm, "fast_path_reason", lambda *a, **k: None)
     monkeypatch.setattr(tg, "available", lambda x: None)
     monkeypatch.setattr(tg, "group_amax", lambda x, offs, plan: tg.group_amax_reference(x, offs))
-    monkeypatch.setattr(tg, "cast_groups_transposed", lambda *args: tg.cast_groups_transposed_reference(*args[:-1]))
+    monkeypatch.setattr(tg, "column_amax", tg.column_amax_reference)
+    monkeypatch.setattr(tg, "cast_transposed", tg.cast_transposed_reference)
     monkeypatch.setattr(torch, "_scaled_mm", _scaled_mm_emulated)
     calls = []
     token_major = fp8_gemm.token_major
@@ -178,3 +203,10 @@ def test_token_group_kernels_are_bit_exact_in_e4m3_on_the_gpu():
         got = tg.cast_groups_transposed(v, offs, new_offs, width, scale, fp8_gemm.E4M3)
         want = tg.cast_groups_transposed_reference(v, offs, new_offs, width, scale, fp8_gemm.E4M3)
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        # one group, both scale forms
+        amax = tg.column_amax(v)
+        assert torch.equal(amax, tg.column_amax_reference(v))
+        for scale in (fp8_gemm.scale_from_amax(amax, fp8_gemm.E4M3, True), torch.tensor(0.37, device="cuda")):
+            got = tg.cast_transposed(v, scale, fp8_gemm.E4M3)
+            want = tg.cast_transposed_reference(v, scale, fp8_gemm.E4M3)
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))

@@ -358,15 +358,9 @@ def token_major(x: torch.Tensor, dtype: torch.dtype, recipe: Recipe, scale: torc
     tokens zero-padded to a multiple of 16 (the contraction of torch's FP8 GEMM), with ``scale``
     (0-dim, tensorwise) or, when None, one scale per column over the tokens (rowwise, [C, 1]).
     The grouped kernels with one group: the padding zeros add nothing to the product."""
-    n, cols = x.shape
-    offs = torch.full((1,), n, dtype=torch.int32, device=x.device)  # a fill kernel: no host copy
-    new_offs, width = token_groups.padded_offsets(offs, n)
-    plan = token_groups.chunk_plan(offs, n)
     if scale is None:
-        scale = scale_from_amax(token_groups.group_amax(x, offs, plan), dtype, recipe.pow2_scales)  # [1, C]
+        scale = scale_from_amax(token_groups.column_amax(x), dtype, recipe.pow2_scales)  # [1, C]
         inv = scale.reciprocal().t()
     else:
         inv = scale.reciprocal()
-    data = token_groups.cast_groups_transposed(x, offs, new_offs, width, scale.reshape(1, -1).expand(1, cols),
-                                               dtype, plan)
-    return Quantized(data, inv)
+    return Quantized(token_groups.cast_transposed(x, scale, dtype), inv)
