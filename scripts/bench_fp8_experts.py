@@ -69,7 +69,7 @@ def main(argv=None) -> int:
     def layer(gemm):
         def run():
             xi = x.detach().requires_grad_()
-            out = _ExpertMLP.apply(xi, w1, w2, probs, offs, False, gemm)
+            out = _ExpertMLP.apply(xi, w1, w2, probs, offs, False, gemm, gemm)
             out.backward(grad)
             w1.grad = w2.grad = None
         return run

@@ -451,3 +451,75 @@ def test_compare_loss_verdict(tmp_path):
     assert main([a, write("high.jsonl", {s: v * 1.02 for s, v in both.items()}), "--last", "50",
                  "--json", str(tmp_path / "r.json")]) == 1
     assert _json.loads((tmp_path / "r.json").read_text())["rel_diff"] == pytest.approx(0.02)
+
+
+def _expert_tp_worker(rank: int, world: int, init_file: str, with_group: bool, out: dict):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        # rank 0's features are large and meet zeros in b; rank 1's are 1e-5 of them: in fp8 with
+        # the whole rows' scales they fall among the subnormals (the one-process quantization),
+        # with a scale of their own they would not
+        a = torch.randn(40, 64, generator=gen)
+        a[:, 32:] *= 1e-5
+        b = torch.randn(3, 64, 32, generator=gen)
+        b[:, :32] = 0
+        offs = torch.tensor([10, 25, 40], dtype=torch.int32)
+        k = a.shape[1] // world
+        cols = slice(rank * k, (rank + 1) * k)
+        part = fp8.grouped_mm(a[:, cols].contiguous(), b[:, cols].contiguous(), offs,
+                              dist.group.WORLD if with_group else None)
+        dist.all_reduce(part)  # what the expert TP reduction of fc2's output does
+        if rank == 0:
+            out["split"] = part
+            out["whole"] = fp8.grouped_mm(a, b, offs)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("with_group", [True, False], ids=["amax_all_reduced", "local_amax"])
+def test_expert_tp_split_contraction_quantizes_as_one_process(tmp_path, with_group):
+    """Under expert tensor parallelism fc2's input features (and fc1's input gradient's contraction)
+    are split over the ranks. With the amax all-reduced over the expert TP group, each rank casts
+    its shard with the scales of the whole rows, so the reduced product equals one process's up to
+    fp32 summation order; with each rank's local amax (the control) it does not. (The experts'
+    power-of-two scales make a shard's local scale matter only where values cross the fp8
+    subnormal range, which the data here is built to do.)"""
+    import torch.multiprocessing as mp
+
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_expert_tp_worker, args=(2, str(tmp_path / "init"), with_group, out), nprocs=2)
+        split, whole = out["split"], out["whole"]
+    err = ((split - whole).abs().max() / whole.abs().max()).item()
+    if with_group:
+        assert err < 1e-5, err
+    else:
+        assert err > 1e-3, err  # the control: local scales change the quantized values
+
+
+def test_expert_mlp_sends_the_ffn_contractions_to_the_split_gemm():
+    """_ExpertMLP's two products that contract over the expert FFN (which expert TP splits) go to
+    ``split_gemm``, the other four to ``gemm``; GroupedExperts passes the FP8 GEMM with the expert
+    TP group as ``split_gemm`` when that group has more than one rank."""
+    from fused_kernels.grouped_gemm import grouped_mm
+    from models.common.grouped_experts import _ExpertMLP
+
+    calls = []
+
+    def spy(name):
+        def gemm(a, b, offs):
+            calls.append((name, tuple(a.shape), tuple(b.shape)))
+            return grouped_mm(a, b, offs)
+        return gemm
+
+    n, h, f, e = 12, 16, 8, 2
+    x = torch.randn(n, h, requires_grad=True)
+    w1 = torch.randn(e, 2 * f, h, requires_grad=True)
+    w2 = torch.randn(e, h, f, requires_grad=True)
+    probs, offs = torch.rand(n), torch.tensor([5, 12], dtype=torch.int32)
+    _ExpertMLP.apply(x, w1, w2, probs, offs, False, spy("gemm"), spy("split")).sum().backward()
+    split = [c for c in calls if c[0] == "split"]
+    assert len(calls) == 6 and split == [("split", (n, f), (e, f, h)), ("split", (n, 2 * f), (e, 2 * f, h))]

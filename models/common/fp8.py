@@ -178,12 +178,14 @@ def _fp8_forward_impl(module, spec: _Spec, input, weight, bias, gradient_accumul
 # ----------------------------------------------------------------------------- routed experts
 
 
-def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """fused_kernels/grouped_gemm.grouped_mm's two forms with FP8 operands (rowwise scaling)."""
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor, contraction_group=None) -> torch.Tensor:
+    """fused_kernels/grouped_gemm.grouped_mm's two forms with FP8 operands (rowwise scaling);
+    ``contraction_group``: the group the 3-D form's contraction K is split over (expert TP), whose
+    amaxes are all-reduced over it."""
     r = EXPERTS
     if b.dim() == 3:  # [N, K] x [G, K, M]: a per row, b per (expert, output column), both along K
-        aq = fp8_gemm.quantize(a, -1, E4M3, r.pow2_scales)
-        bq = fp8_gemm.quantize(b, -2, E4M3, r.pow2_scales, column_major=True)
+        aq = fp8_gemm.quantize(a, -1, E4M3, r.pow2_scales, contraction_group)
+        bq = fp8_gemm.quantize(b, -2, E4M3, r.pow2_scales, contraction_group, column_major=True)
         return fp8_gemm.grouped_matmul(aq, bq, offs, a.dtype)
     # [K, N] x [N, M] -> [G, K, M]: the contraction runs over each group's tokens
     return fp8_gemm.grouped_weight_grad(a, b, offs, r, a.dtype)

@@ -61,12 +61,15 @@ class _ExpertMLP(torch.autograd.Function):
     """fc1 -> weighted SwiGLU -> fc2 over groups of rows; ``recompute`` keeps fc1's output only."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, probs, offs, recompute: bool, gemm):
+    def forward(ctx, x, w1, w2, probs, offs, recompute: bool, gemm, split_gemm):
+        """``split_gemm``: the GEMM for the two products that contract over the expert FFN, which
+        expert tensor parallelism splits (fc2's forward, fc1's input gradient); under FP8 it
+        all-reduces their amax over the expert TP group, elsewhere it is ``gemm``."""
         fc1 = gemm(x, w1.mT, offs)  # [N, 2F]
         act = _act_forward(fc1, probs)  # [N, F]
-        out = gemm(act, w2.mT, offs)  # [N, H]
+        out = split_gemm(act, w2.mT, offs)  # [N, H]
         ctx.save_for_backward(x, w1, w2, probs, offs, fc1, None if recompute else act)
-        ctx.gemm = gemm
+        ctx.gemm, ctx.split_gemm = gemm, split_gemm
         return out
 
     @staticmethod
@@ -81,9 +84,9 @@ class _ExpertMLP(torch.autograd.Function):
         dw2 = _into_main_grad(w2, gemm(g.mT, act, offs)) if ctx.needs_input_grad[2] else None  # [E, H, F]
         del act
         d_fc1, d_probs = _act_backward(d_act, fc1, probs)
-        dx = gemm(d_fc1, w1, offs)  # [N, H]
+        dx = ctx.split_gemm(d_fc1, w1, offs)  # [N, H]
         dw1 = _into_main_grad(w1, gemm(d_fc1.mT, x, offs)) if ctx.needs_input_grad[1] else None  # [E, 2F, H]
-        return dx, dw1, dw2, d_probs, None, None, None
+        return dx, dw1, dw2, d_probs, None, None, None, None
 
 
 def _into_main_grad(weight: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
@@ -170,9 +173,13 @@ class GroupedExperts(MegatronModule):
             tokens_per_expert = tokens_per_expert.to(permuted_hidden.device, non_blocking=True)
         offs = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
         probs = permuted_probs.reshape(-1).contiguous()
-        gemm = self.fp8_gemm or grouped_mm
+        gemm = split_gemm = self.fp8_gemm or grouped_mm
+        if self.fp8_gemm is not None and self.tp_group.size() > 1:
+            # each rank holds F/etp of the contraction: the amax over it spans the expert TP group,
+            # so every rank casts with the scales of the unsplit rows (as one GPU does)
+            split_gemm = functools.partial(self.fp8_gemm, contraction_group=self.tp_group)
         out = _ExpertMLP.apply(permuted_hidden.contiguous(), self.linear_fc1.weight, self.linear_fc2.weight,
-                               probs, offs, self.recompute_act and torch.is_grad_enabled(), gemm)
+                               probs, offs, self.recompute_act and torch.is_grad_enabled(), gemm, split_gemm)
         return out, None
 
     def backward_dw(self):
