@@ -104,6 +104,26 @@ def start_log(it, report, grad_norm, scheduler, window: Window, clock: StepClock
     return PendingLog(it, staged, host_grad, host, clock.mark(), clock, ready)
 
 
+class _AllocRetries:
+    """The CUDA caching allocator's retries so far (``num_alloc_retries``): a request it could not
+    serve from its cache or from free device memory makes it free every cached block and try
+    again, a synchronizing cudaFree, so a run near the memory limit slows down without failing.
+    Warned once, when the count first rises."""
+
+    warned = False
+
+    @classmethod
+    def count(cls, step: int) -> int:
+        retries = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+        if retries and not cls.warned:
+            cls.warned = True
+            log.warning("the CUDA caching allocator hit the memory limit %d time(s) by step %d; each time it "
+                        "frees its cache and synchronizes the GPU, which slows those steps: set "
+                        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (less fragmentation) or lower the memory "
+                        "(docs/performance.md#memory)", retries, step)
+        return retries
+
+
 def emit(p: PendingLog, peak, sink: MetricsSink, result, guard: NonFiniteGuard | None = None) -> None:
     elapsed = p.clock.seconds(*p.window)  # waits for the window's end mark
     if p.ready is not None:
@@ -131,6 +151,8 @@ def emit(p: PendingLog, peak, sink: MetricsSink, result, guard: NonFiniteGuard |
         # real tokens / tokens processed (padding included): how full the packed rows were
         "real_token_fraction": totals[2] / max(p.host["processed_tokens"], 1),
     }
+    if p.clock.is_cuda:  # cumulative over the process, like the data counts
+        metrics["alloc_retries"] = _AllocRetries.count(p.it)
     if totals[-1] > 0:  # model.mtp_num_layers: the mean MTP loss over its shifted supervised tokens
         metrics["mtp_loss"] = totals[-2] / totals[-1]
     if not result.losses:  # this process's first row: how long from its start until that step was done

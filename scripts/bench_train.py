@@ -107,6 +107,7 @@ def run_ours(cfg, warmup: int, steps: int) -> dict:
         "startup_s": rows[0].get("startup_s"),
         # seconds per timed step the trainer waited for the loader (the prefetch thread fell behind)
         "data_wait_s_per_step": data_wait_per_step(rows, warmup, steps),
+        "alloc_retries": alloc_retries_in_timed_steps(rows, warmup),
     }
 
 
@@ -117,6 +118,16 @@ def data_wait_per_step(rows: list[dict], warmup: int, steps: int) -> float | Non
         return None
     before = [r.get("data_wait_s", 0.0) for r in rows if r["step"] <= warmup]
     return (rows[-1].get("data_wait_s", 0.0) - (before[-1] if before else 0.0)) / steps
+
+
+def alloc_retries_in_timed_steps(rows: list[dict], warmup: int) -> int | None:
+    """The CUDA caching allocator's retries (each a synchronizing free of its cache) during the
+    timed steps, from metrics.jsonl's cumulative ``alloc_retries``; None off CUDA. Non-zero: the
+    step time includes the allocator working at the memory limit."""
+    if not any("alloc_retries" in r for r in rows):
+        return None
+    before = [r.get("alloc_retries", 0) for r in rows if r["step"] <= warmup]
+    return rows[-1].get("alloc_retries", 0) - (before[-1] if before else 0)
 
 
 def step_spread(times: list[float]) -> dict:
@@ -463,7 +474,8 @@ def ab_runs(args, out_dir: str, forced: list[str], rt) -> dict:
             # (the trainer resets the peak-memory counter itself once the model is built)
             r = run_ours_again(args, Path(out_dir) / f"ab{i}_{name}", [*args.overrides, *overrides, *forced], rt)
             rows[name] = {k: r.get(k) for k in ("step_time_s", "step_time_median_s", "step_time_p90_s", "tokens_per_s", "mfu",
-                                                "peak_mem_gib", "loss_last", "mtp_loss_last", "data_wait_s_per_step")}
+                                                "peak_mem_gib", "loss_last", "mtp_loss_last", "data_wait_s_per_step",
+                                                "alloc_retries")}
             log.info("ab %s %s: %.4f s/step", spec, name, r["step_time_s"])
         out[spec] = rows
     return out
@@ -660,7 +672,8 @@ def _summary(r: dict) -> None:
     print(f"  ours: {f(r['step_time_s'], '.3f')} s/step  {f(r['tokens_per_s'], ',.0f')} tokens/s  "
           f"{f(r['tflops_per_gpu'], '.1f')} TFLOP/s  MFU {f(r['mfu'], '.1%')} (peak {r['peak_tflops']})  "
           f"peak mem {f(r['peak_mem_gib'], '.1f')} GiB  real tokens {f(r.get('real_token_fraction'), '.1%')} "
-          "of the rows", file=sys.stderr)
+          "of the rows" + (f"  allocator retries in the timed steps {r['alloc_retries']}" if r.get("alloc_retries") else ""),
+          file=sys.stderr)
     if r.get("mtp_loss_last") is not None:
         print(f"        loss {r['loss_first']:.4f} -> {r['loss_last']:.4f}, mtp_loss {r['mtp_loss_first']:.4f} -> "
               f"{r['mtp_loss_last']:.4f}", file=sys.stderr)
@@ -685,7 +698,9 @@ def _summary(r: dict) -> None:
         print(f"  HF: {r['hf_error']}", file=sys.stderr)
     for spec, rows in (r.get("ab") or {}).items():
         print(f"  A/B {spec}: A {r['step_time_s']:.4f}, B {rows['b']['step_time_s']:.4f}, A again "
-              f"{rows['a_again']['step_time_s']:.4f} s/step (B peak mem {rows['b']['peak_mem_gib']:.1f} GiB)"
+              f"{rows['a_again']['step_time_s']:.4f} s/step (B peak mem {rows['b']['peak_mem_gib']:.1f} GiB"
+              + "".join(f", {side} allocator retries {rows[k]['alloc_retries']}" for side, k in (("B", "b"), ("A again", "a_again"))
+                        if rows[k].get("alloc_retries")) + ")"
               + (f"; FP8 ({rows['fp8_recipe']}) / bf16 tokens/s {rows['fp8_speedup']:.3f}x" if "fp8_speedup" in rows else "")
               + "".join(f"; {side} last mtp_loss {rows[k]['mtp_loss_last']:.4f}" for side, k in (("B", "b"), ("A", "a_again"))
                         if rows[k].get("mtp_loss_last") is not None),

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["train.seq_length=128", "train.global_batch_size=1", "data.mock.min_image_side=32", "data.mock.max_image_side=64",
@@ -86,6 +87,26 @@ def test_graph_captures_inside_the_timed_steps_are_counted():
     assert captures_in_timed_steps(rows, warmup=4) == 0
     assert captures_in_timed_steps(rows, warmup=0) == 5
     assert captures_in_timed_steps([{"step": 1}, {"step": 2}], warmup=1) is None  # no graphs
+
+
+def test_allocator_retries_inside_the_timed_steps_are_counted_and_warned_once(monkeypatch, caplog):
+    """The trainer's rows carry the CUDA allocator's cumulative retries (a synchronizing free of
+    its cache each): warned the first time they rise, and the bench reports the timed steps' share."""
+    from multimodal import step_metrics
+    from scripts.bench_train import alloc_retries_in_timed_steps
+
+    rows = [{"step": s, "alloc_retries": c} for s, c in [(1, 0), (2, 1), (3, 1), (4, 4)]]
+    assert alloc_retries_in_timed_steps(rows, warmup=2) == 3
+    assert alloc_retries_in_timed_steps(rows, warmup=4) == 0
+    assert alloc_retries_in_timed_steps([{"step": 1}], warmup=0) is None  # not on CUDA
+
+    counts = iter([0, 2, 5])
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: {"num_alloc_retries": next(counts)})
+    monkeypatch.setattr(step_metrics._AllocRetries, "warned", False)
+    with caplog.at_level("WARNING"):
+        assert [step_metrics._AllocRetries.count(s) for s in (1, 2, 3)] == [0, 2, 5]
+    warnings = [r.message for r in caplog.records if "caching allocator" in r.message]
+    assert len(warnings) == 1 and "2 time(s) by step 2" in warnings[0] and "expandable_segments" in warnings[0]
 
 
 def test_step_spread_and_eager_share():
