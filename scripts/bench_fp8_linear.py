@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fused_kernels.wgrad_accum import added_to_main_grad, wgrad_gemm_accum_fp32  # noqa: E402
 from models.common import fp8, fp8_gemm  # noqa: E402
+from scripts.bench_fp8_experts import time_ms  # noqa: E402
 
 
 class _Bf16Linear(torch.autograd.Function):
@@ -40,17 +41,6 @@ class _Bf16Linear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         wgrad_gemm_accum_fp32(x, g, weight.main_grad)
         return g @ weight, added_to_main_grad(weight)
-
-
-def time_ms(fn, reps: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / reps * 1e3
 
 
 def host_ms(fn, reps: int = 8) -> float:
@@ -113,7 +103,7 @@ def main(argv=None) -> int:
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "tokens": a.tokens,
               "hidden": a.hidden, "ffn": a.ffn}
     for name, run in paths.items():
-        result[f"{name}_ms"] = time_ms(run)
+        result[f"{name}_ms"] = time_ms(run, reps=20, warmup=3)
         result[f"{name}_host_ms"] = host_ms(run)
         result[f"{name}_kernels"] = kernels_per_call(run)
     for recipe in ("tensorwise", "rowwise"):

@@ -111,23 +111,27 @@ def run_ours(cfg, warmup: int, steps: int) -> dict:
     }
 
 
+def timed_increase(rows: list[dict], warmup: int, key: str):
+    """How much metrics.jsonl's cumulative ``key`` rose over the timed steps (from the last warm-up
+    row to the last row); None when no row carries it."""
+    if not any(key in r for r in rows):
+        return None
+    before = [r.get(key, 0) for r in rows if r["step"] <= warmup]
+    return rows[-1].get(key, 0) - (before[-1] if before else 0)
+
+
 def data_wait_per_step(rows: list[dict], warmup: int, steps: int) -> float | None:
     """Mean host seconds per timed step spent waiting for a batch, from metrics.jsonl's cumulative
     ``data_wait_s``; None without the prefetch thread."""
-    if not any("data_wait_s" in r for r in rows):
-        return None
-    before = [r.get("data_wait_s", 0.0) for r in rows if r["step"] <= warmup]
-    return (rows[-1].get("data_wait_s", 0.0) - (before[-1] if before else 0.0)) / steps
+    waited = timed_increase(rows, warmup, "data_wait_s")
+    return None if waited is None else waited / steps
 
 
 def alloc_retries_in_timed_steps(rows: list[dict], warmup: int) -> int | None:
     """The CUDA caching allocator's retries (each a synchronizing free of its cache) during the
     timed steps, from metrics.jsonl's cumulative ``alloc_retries``; None off CUDA. Non-zero: the
     step time includes the allocator working at the memory limit."""
-    if not any("alloc_retries" in r for r in rows):
-        return None
-    before = [r.get("alloc_retries", 0) for r in rows if r["step"] <= warmup]
-    return rows[-1].get("alloc_retries", 0) - (before[-1] if before else 0)
+    return timed_increase(rows, warmup, "alloc_retries")
 
 
 def step_spread(times: list[float]) -> dict:
@@ -154,10 +158,7 @@ def captures_in_timed_steps(rows: list[dict], warmup: int) -> int | None:
     """CUDA graphs captured during the timed steps (each such step also ran warm-up passes and the
     capture, so it is slower), from metrics.jsonl's cumulative ``cuda_graph_captures``; None
     when training ran without graphs."""
-    if not any("cuda_graph_captures" in r for r in rows):
-        return None
-    before = [r.get("cuda_graph_captures", 0) for r in rows if r["step"] <= warmup]
-    return rows[-1].get("cuda_graph_captures", 0) - (before[-1] if before else 0)
+    return timed_increase(rows, warmup, "cuda_graph_captures")
 
 
 def _ours_child(cfg, warmup: int, steps: int, queue) -> None:
