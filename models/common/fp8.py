@@ -74,25 +74,30 @@ class _Fp8Linear(torch.autograd.Function):
         x2 = total.reshape(-1, total.shape[-1])
         r, head = spec.recipe, weight.shape[0] - spec.hp_rows
         row_parallel = spec.split == "in"
-        # the input's contraction dim (features) is split under row parallelism
-        xq = fp8_gemm.quantize(x2, r.dim(-1), E4M3, r.pow2_scales, spec.group(row_parallel))
-        # a tensorwise weight scale spans every shard; a rowwise one runs along the input features
-        wq = fp8_gemm.quantize(weight[:head], r.dim(1), E4M3, r.pow2_scales, spec.group(not r.rowwise or row_parallel))
+        # the input's contraction dim (features) is split under row parallelism; a tensorwise weight
+        # scale spans every shard, a rowwise one runs along the input features
+        if r.rowwise:
+            xq = fp8_gemm.quantize(x2, -1, E4M3, r.pow2_scales, spec.group(row_parallel))
+            wq = fp8_gemm.quantize(weight[:head], 1, E4M3, r.pow2_scales, spec.group(row_parallel))
+            x_scale = w_scale = None
+        else:  # the scales are kept for the backward's casts of x and the weight
+            xq, x_scale = fp8_gemm.quantize_tensorwise(x2, E4M3, spec.group(row_parallel))
+            wq, w_scale = fp8_gemm.quantize_tensorwise(weight[:head], E4M3, spec.group(True))
         out = fp8_gemm.matmul(xq, wq.t(), x.dtype, fast_accum=True)
         if spec.hp_rows:
             out = torch.cat([out, x2 @ weight[head:].t().to(x2.dtype)], dim=-1)
         out = out.view(*total.shape[:-1], weight.shape[0])
         if bias is not None:
             out = out + bias
-        ctx.save_for_backward(x, weight, xq.inv_scale if not r.rowwise else None,
-                              wq.inv_scale if not r.rowwise else None)
+        ctx.save_for_backward(x, weight, x_scale, xq.inv_scale if not r.rowwise else None,
+                              w_scale, wq.inv_scale if not r.rowwise else None)
         ctx.spec, ctx.accumulate, ctx.allreduce_dgrad = spec, accumulate, allreduce_dgrad
         ctx.sequence_parallel, ctx.tp_group, ctx.use_bias = sequence_parallel, tp_group, bias is not None
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight, x_inv, w_inv = ctx.saved_tensors
+        x, weight, x_scale, x_inv, w_scale, w_inv = ctx.saved_tensors
         spec, r = ctx.spec, ctx.spec.recipe
         head = weight.shape[0] - spec.hp_rows
         column = spec.split == "out"
@@ -104,14 +109,12 @@ class _Fp8Linear(torch.autograd.Function):
         if r.rowwise:
             gq, g_scale = fp8_gemm.quantize(g_head, -1, r.grad_dtype, r.pow2_scales, spec.group(column)), None
         else:  # its scale again in the weight gradient
-            g_scale = fp8_gemm.scale_from_amax(fp8_gemm.amax(g_head, None, spec.group(column)), r.grad_dtype,
-                                               r.pow2_scales)
-            gq = fp8_gemm.quantize_with(g_head, g_scale, r.grad_dtype)
+            gq, g_scale = fp8_gemm.quantize_tensorwise(g_head, r.grad_dtype, spec.group(column))
         # the weight as the GEMM's second operand ([out, in] read as [K, N]): cast column-major
         if r.rowwise:  # the weight along its output rows, split under column parallelism
             wq = fp8_gemm.quantize(weight[:head], 0, E4M3, r.pow2_scales, spec.group(column), column_major=True)
         else:  # the forward's scale (its amax, reduced once)
-            wq = fp8_gemm.quantize_with(weight[:head], w_inv.reciprocal(), E4M3, column_major=True)
+            wq = fp8_gemm.quantize_with(weight[:head], w_scale, E4M3, column_major=True, inv=w_inv)
         dx = fp8_gemm.matmul(gq, wq, g2.dtype, fast_accum=False)
         if spec.hp_rows:
             dx = dx + g2[:, head:] @ weight[head:].to(g2.dtype)
@@ -119,7 +122,7 @@ class _Fp8Linear(torch.autograd.Function):
 
         dw = None
         if ctx.needs_input_grad[1]:
-            dw = _weight_grad(weight, g_head, g2[:, head:], x2, gq, g_scale, x_inv, ctx.accumulate, r)
+            dw = _weight_grad(weight, g_head, g2[:, head:], x2, gq, g_scale, x_scale, x_inv, ctx.accumulate, r)
 
         if ctx.sequence_parallel:
             sub = dx.new_empty(x.shape)
@@ -131,7 +134,7 @@ class _Fp8Linear(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None
 
 
-def _weight_grad(weight, g_head, g_tail, x2, gq, g_scale, x_inv, accumulate: bool, r: Recipe):
+def _weight_grad(weight, g_head, g_tail, x2, gq, g_scale, x_scale, x_inv, accumulate: bool, r: Recipe):
     """grad_out^T @ x: FP8 for the head rows, high precision for the tail; into main_grad when fused."""
     main = weight.main_grad if accumulate and hasattr(weight, "main_grad") else None
     # the weight's dtype, also when adding into main_grad: torch's rowwise FP8 GEMM writes bf16 only
@@ -143,14 +146,14 @@ def _weight_grad(weight, g_head, g_tail, x2, gq, g_scale, x_inv, accumulate: boo
             gtq = fp8_gemm.token_major(g_head, E4M3, r)
             xq = fp8_gemm.token_major(x2, E4M3, r).t()
         else:
-            gtq = fp8_gemm.token_major(g_head, r.grad_dtype, r, scale=g_scale)
-            xq = fp8_gemm.token_major(x2, E4M3, r, scale=x_inv.reciprocal()).t()
+            gtq = fp8_gemm.token_major(g_head, r.grad_dtype, r, scale=g_scale, inv=gq.inv_scale)
+            xq = fp8_gemm.token_major(x2, E4M3, r, scale=x_scale, inv=x_inv).t()
     elif r.rowwise:  # both operands along the tokens: neither is split there
         gtq = fp8_gemm.quantize(g_head.t(), -1, E4M3, r.pow2_scales)
         xq = fp8_gemm.quantize(x2, 0, E4M3, r.pow2_scales)
     else:  # the same tensor scales as the forward and the input gradient
         gtq = gq.t()
-        xq = fp8_gemm.quantize_with(x2, x_inv.reciprocal(), E4M3)
+        xq = fp8_gemm.quantize_with(x2, x_scale, E4M3, inv=x_inv)
     dw_head = fp8_gemm.matmul(gtq, xq, out_dtype, fast_accum=False)
     dw_tail = (g_tail.t() @ x2.to(g_tail.dtype)) if g_tail.shape[1] else None
     if main is None:

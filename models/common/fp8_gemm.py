@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from core.devices import hopper_reason
+from fused_kernels import fp8_tensorwise as tensorwise
 from fused_kernels import fp8_token_groups as token_groups
 from fused_kernels.grouped_gemm import grouped_mm_reference
 from models.common.norms import RECOMPILE_LIMIT, allow_recompiles
@@ -141,11 +142,47 @@ def _scaled_cast_column_major(x: torch.Tensor, scale: torch.Tensor, dtype: torch
     return _scaled_cast(x, scale, dtype).mT.contiguous().mT
 
 
-def quantize_with(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, column_major: bool = False) -> Quantized:
-    """``x`` cast with ``scale``; ``column_major``: laid out as a GEMM's second operand (a weight in
-    the input gradient's GEMM, a [G, K, M] expert weight)."""
+def quantize_with(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, column_major: bool = False,
+                  inv: torch.Tensor | None = None) -> Quantized:
+    """``x`` cast with ``scale`` (``inv``: its reciprocal, when the caller has it); ``column_major``:
+    laid out as a GEMM's second operand (a weight in the input gradient's GEMM, a [G, K, M] expert
+    weight). A 2-D weight with one scale is cast by the transposing Triton kernel where it runs."""
+    inv = scale.reciprocal() if inv is None else inv
+    if (column_major and scale.numel() == 1 and x.dim() == 2 and x.shape[0] % _ALIGN == 0
+            and tensorwise_kernels_reason(x) is None):
+        return Quantized(token_groups.cast_transposed(x, scale, dtype).t(), inv)
     cast = _scaled_cast_column_major if column_major else _scaled_cast
-    return Quantized(_kernel(cast, x)(x, scale, dtype), scale.reciprocal())
+    return Quantized(_kernel(cast, x)(x, scale, dtype), inv)
+
+
+def quantize_tensorwise(x: torch.Tensor, dtype: torch.dtype, group=None) -> tuple[Quantized, torch.Tensor]:
+    """``x`` [N, C] in ``dtype`` with one scale, its amax all-reduced over ``group``: the cast and the
+    scale (the backward casts other operands with it). The Triton kernels where they run (an amax
+    and a cast that computes the scale itself: two launches), else the compiled or eager ops."""
+    if tensorwise_kernels_reason(x) is None:
+        a = tensorwise.tensor_amax(x)
+        if group is not None and group.size() > 1:
+            dist.all_reduce(a, op=dist.ReduceOp.MAX, group=group)
+        data, scale, inv = tensorwise.cast(x, a, dtype)
+        return Quantized(data, inv), scale
+    scale = scale_from_amax(amax(x, None, group), dtype, pow2=False)
+    return quantize_with(x, scale, dtype), scale
+
+
+def tensorwise_kernels_reason(x: torch.Tensor) -> str | None:
+    """None when the tensorwise Triton kernels cast ``x`` for the fast GEMM; else why not (warned once
+    where the fast GEMM runs without them: the compiled casts take over)."""
+    reason = fast_path_reason(x.device)
+    if reason is None:
+        reason = tensorwise.available(x)
+        if reason is not None:
+            _warn_tensorwise(reason)
+    return reason
+
+
+@functools.cache
+def _warn_tensorwise(reason: str) -> None:
+    log.warning("FP8: the tensorwise Triton casts not used (%s); the compiled casts run instead", reason)
 
 
 def _quantize(x: torch.Tensor, dim: int | None, dtype: torch.dtype, pow2: bool, column_major: bool):
@@ -353,14 +390,16 @@ def token_major_reason(x: torch.Tensor) -> str | None:
     return reason
 
 
-def token_major(x: torch.Tensor, dtype: torch.dtype, recipe: Recipe, scale: torch.Tensor | None = None) -> Quantized:
+def token_major(x: torch.Tensor, dtype: torch.dtype, recipe: Recipe, scale: torch.Tensor | None = None,
+                inv: torch.Tensor | None = None) -> Quantized:
     """x [N, C] as the token-contiguous operand of a weight gradient: [C, width] in ``dtype``, the N
     tokens zero-padded to a multiple of 16 (the contraction of torch's FP8 GEMM), with ``scale``
-    (0-dim, tensorwise) or, when None, one scale per column over the tokens (rowwise, [C, 1]).
-    The grouped kernels with one group: the padding zeros add nothing to the product."""
+    (0-dim, tensorwise; ``inv`` its reciprocal when the caller has it) or, when None, one scale per
+    column over the tokens (rowwise, [C, 1]). The grouped kernels with one group: the padding zeros
+    add nothing to the product."""
     if scale is None:
         scale = scale_from_amax(token_groups.column_amax(x), dtype, recipe.pow2_scales)  # [1, C]
         inv = scale.reciprocal().t()
-    else:
+    elif inv is None:
         inv = scale.reciprocal()
     return Quantized(token_groups.cast_transposed(x, scale, dtype), inv)
