@@ -13,6 +13,12 @@ Before the first check the session points every check's kernel caches at the tra
 ``python -m multimodal.warm_kernels`` (TileLang jobs in parallel): the GDN checks use those shapes,
 so a cold machine compiles them once, in parallel, instead of one by one inside each check.
 ``GPU_CHECKS_WARM=0`` skips the warm-up.
+
+The checks then run side by side, ``GPU_CHECKS_JOBS`` at a time (default 3), every selected check
+started as soon as a slot is free and each test waiting for its own: most of a cold suite is
+kernel compilation on the CPU, which one check at a time leaves mostly idle, and the checks judge
+correctness only (their timings are reported, never asserted), so sharing the GPU changes no
+verdict. ``GPU_CHECKS_JOBS=1`` runs them one after another, to time a check alone.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import os
 import subprocess
 import sys
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -48,16 +55,35 @@ def warm_kernel_cache():
             warnings.warn(f"warm_kernels exited {proc.returncode}: {proc.stderr.strip()[-2000:]}", stacklevel=1)
 
 
+def _selected_checks(session) -> list[str]:
+    """The check files of the tests this session runs (those that take ``run_check``), in test order."""
+    scripts = [str(Path(item.path).resolve()) for item in session.items if "run_check" in getattr(item, "fixturenames", ())]
+    return list(dict.fromkeys(scripts))
+
+
+@pytest.fixture(scope="session")
+def started_checks(request, tmp_path_factory, warm_kernel_cache):
+    """Every selected check started on a pool of ``GPU_CHECKS_JOBS`` slots: {script: Future of its
+    finished process}. Its JSON goes to ``$GPU_CHECKS_JSON/<file stem>.json`` when that is set,
+    else to a temporary dir."""
+    out = Path(os.environ.get("GPU_CHECKS_JSON") or tmp_path_factory.mktemp("gpu_checks"))
+    out.mkdir(parents=True, exist_ok=True)
+    pool = ThreadPoolExecutor(max(1, int(os.environ.get("GPU_CHECKS_JOBS", "3"))))
+    futures: dict[str, Future] = {
+        script: pool.submit(_child, [script, "--json", str(out / f"{Path(script).stem}.json")])
+        for script in _selected_checks(request.session)}
+    yield futures
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
 @pytest.fixture
-def run_check(tmp_path, warm_kernel_cache):
-    """``run_check(__file__)``: run that check; fail with the end of its output if it exits non-zero.
-    Its JSON goes to ``$GPU_CHECKS_JSON/<file stem>.json`` when that is set, else to a temporary dir."""
+def run_check(started_checks):
+    """``run_check(__file__)``: wait for that check's process; fail with the end of its output if it
+    exited non-zero."""
 
     def run(script: str) -> None:
-        out = Path(os.environ.get("GPU_CHECKS_JSON") or tmp_path)
-        out.mkdir(parents=True, exist_ok=True)
         name = Path(script).stem
-        proc = _child([script, "--json", str(out / f"{name}.json")])
+        proc = started_checks[str(Path(script).resolve())].result()
         assert proc.returncode == 0, (f"{name} exited {proc.returncode}\n--- stdout\n{proc.stdout[-6000:]}\n"
                                       f"--- stderr\n{proc.stderr[-6000:]}")
 
