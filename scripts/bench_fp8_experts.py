@@ -1,6 +1,7 @@
 """Time one routed-experts layer's forward + backward (fc1, weighted SwiGLU, fc2 and the four grouped
 GEMMs' gradients) in bf16 and under train.fp8, with the weight gradient's FP8 operands quantized by
-the fused kernels (fused_kernels/fp8_token_groups.py) and by torch ops, at a real layer's shapes.
+the fused kernels (fused_kernels/fp8_token_groups.py) and by torch ops, at a real layer's shapes, and
+where each path's GPU time goes (its kernels by GPU time, from one profiled call).
 
     python scripts/bench_fp8_experts.py [--experts 64 --tokens 8192 --topk 8 --hidden 2048 --ffn 512] [--balanced] [--json OUT]
 
@@ -45,6 +46,28 @@ def time_ms(fn, reps: int = 10, warmup: int = 2) -> float:
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - t) / reps * 1e3
+
+
+def kernel_table(fn, top: int = 12) -> dict:
+    """One call of ``fn`` under the profiler: its kernel count, GPU microseconds, and the ``top``
+    kernels by GPU time ([name, calls, total us]), where a path's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    by_name: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            row = by_name.setdefault(e.name[:120], [0, 0.0])
+            row[0] += 1
+            row[1] += e.device_time_total
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+    return {"kernels": sum(calls for calls, _ in by_name.values()),
+            "gpu_us": round(sum(us for _, us in by_name.values()), 1),
+            "top": [[name, calls, round(us, 1)] for name, (calls, us) in ranked[:top]]}
 
 
 def main(argv=None) -> int:
@@ -98,6 +121,8 @@ def main(argv=None) -> int:
     result["wgrad_quantize_ms"] = time_ms(quantize_both)
     moved = rows * (a.hidden + a.ffn) * (2 + 2 + 1)  # bf16 read twice (amax, cast), fp8 written once
     result["wgrad_quantize_gb_per_s"] = moved / result["wgrad_quantize_ms"] / 1e6
+    for name, gemm in (("bf16", grouped_mm), ("fp8_fused", fp8.grouped_mm)):
+        result[f"{name}_kernel_table"] = kernel_table(layer(gemm))
     result["fp8_speedup_fused"] = result["bf16_ms"] / result["fp8_fused_ms"]
     result["fp8_speedup_torch_ops"] = result["bf16_ms"] / result["fp8_torch_ops_ms"]
     print(json.dumps(result, indent=1))

@@ -7,8 +7,8 @@ at a real model's shapes (default: the 9B's, one 8K row).
 Reports milliseconds per forward + backward (wall time over repeated calls, so a path that keeps
 the GPU waiting on the host shows it), the host's own milliseconds per call (the time to issue
 the work while the GPU is held busy, so the host never waits for it: where it approaches the wall
-time, the path is bound by the host, as an eager step would be) and the kernels each path launches
-per call.
+time, the path is bound by the host, as an eager step would be), the kernels each path launches
+per call, and its kernels by GPU time (where the time goes).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fused_kernels.wgrad_accum import added_to_main_grad, wgrad_gemm_accum_fp32  # noqa: E402
 from models.common import fp8, fp8_gemm  # noqa: E402
-from scripts.bench_fp8_experts import time_ms  # noqa: E402
+from scripts.bench_fp8_experts import kernel_table, time_ms  # noqa: E402
 
 
 class _Bf16Linear(torch.autograd.Function):
@@ -55,15 +55,6 @@ def host_ms(fn, reps: int = 8) -> float:
     elapsed = time.perf_counter() - t
     torch.cuda.synchronize()
     return elapsed / reps * 1e3
-
-
-def kernels_per_call(fn) -> int:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
 def main(argv=None) -> int:
@@ -105,7 +96,9 @@ def main(argv=None) -> int:
     for name, run in paths.items():
         result[f"{name}_ms"] = time_ms(run, reps=20, warmup=3)
         result[f"{name}_host_ms"] = host_ms(run)
-        result[f"{name}_kernels"] = kernels_per_call(run)
+        table = kernel_table(run)
+        result[f"{name}_kernels"] = table["kernels"]
+        result[f"{name}_kernel_table"] = table
     for recipe in ("tensorwise", "rowwise"):
         result[f"fp8_{recipe}_speedup"] = result["bf16_ms"] / result[f"fp8_{recipe}_ms"]
     print(json.dumps(result, indent=1))
