@@ -10,8 +10,8 @@ host time left the GPU waiting (docs/fp8.md). Here, for x [N, C] with any stride
 - ``tensor_amax``: fp32 max |x|, each program a chunk of rows and a block of columns, the
   programs meeting through an atomic max (a max of non-negative values: the same in any order);
 - ``cast``: reads the amax, computes the scale and its reciprocal itself (the same fp32
-  operations, in the same order, as the reference), casts x row-major, and returns the scale and
-  its reciprocal as 0-dim views of one small buffer, so neither costs a launch of its own.
+  operations, in the same order, as the reference), casts x row-major, and writes the scale and
+  its reciprocal into two 0-dim tensors, so neither costs a launch of its own.
 
 Between the two the caller may all-reduce the amax over a tensor-parallel group: the kernels take
 it from memory.
@@ -82,11 +82,15 @@ def cast(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype):
     """``cast_reference`` in one Triton kernel (the caller checks ``available``); ``amax`` 0-dim fp32."""
     n, cols = x.shape
     out = torch.empty(n, cols, dtype=dtype, device=x.device)
-    scales = torch.empty(2, dtype=torch.float32, device=x.device)  # [scale, 1 / scale]
+    # two allocations, not views of one buffer: on an H100 torch._scaled_mm failed with
+    # CUBLAS_STATUS_NOT_SUPPORTED when the inverse scale was the second float of a [2] tensor (a
+    # scale pointer off cuBLASLt's alignment); each allocation starts aligned
+    scale = torch.empty((), dtype=torch.float32, device=x.device)
+    inv = torch.empty((), dtype=torch.float32, device=x.device)
     _cast_kernel[(max(1, triton.cdiv(n, BLOCK_ROWS)), max(1, triton.cdiv(cols, BLOCK_COLS)))](
-        x, amax, out, scales, n, cols, x.stride(0), x.stride(1), torch.finfo(dtype).max, AMAX_FLOOR,
+        x, amax, out, scale, inv, n, cols, x.stride(0), x.stride(1), torch.finfo(dtype).max, AMAX_FLOOR,
         BLOCK_ROWS=BLOCK_ROWS, BLOCK_COLS=BLOCK_COLS)
-    return out, scales[0], scales[1]
+    return out, scale, inv
 
 
 if triton is not None:
@@ -105,14 +109,14 @@ if triton is not None:
         tl.atomic_max(out_ptr, tl.max(tl.max(acc, axis=1), axis=0))
 
     @triton.jit
-    def _cast_kernel(x_ptr, amax_ptr, out_ptr, scales_ptr, n, cols, stride_n, stride_c, limit, floor,
+    def _cast_kernel(x_ptr, amax_ptr, out_ptr, scale_ptr, inv_ptr, n, cols, stride_n, stride_c, limit, floor,
                      BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr):
         # torch's `fp8_max / amax` is `amax.reciprocal() * fp8_max`: two roundings, kept here
         amax = tl.maximum(tl.load(amax_ptr), floor)
         scale = tl.math.div_rn(1.0, amax) * limit
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-            tl.store(scales_ptr, scale)
-            tl.store(scales_ptr + 1, tl.math.div_rn(1.0, scale))
+            tl.store(scale_ptr, scale)
+            tl.store(inv_ptr, tl.math.div_rn(1.0, scale))
         r = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
         mask = (r[:, None] < n) & (c[None, :] < cols)
