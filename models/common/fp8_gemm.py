@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from core.devices import hopper_reason
+from fused_kernels import fp8_rowwise as rowwise
 from fused_kernels import fp8_tensorwise as tensorwise
 from fused_kernels import fp8_token_groups as token_groups
 from fused_kernels.grouped_gemm import grouped_mm_reference
@@ -196,10 +197,67 @@ def _quantize(x: torch.Tensor, dim: int | None, dtype: torch.dtype, pow2: bool, 
 def quantize(x: torch.Tensor, dim: int | None, dtype: torch.dtype, pow2: bool, group=None,
              column_major: bool = False) -> Quantized:
     """``x`` in ``dtype`` with one scale over ``dim`` (None: the whole tensor)."""
-    if group is None or group.size() == 1:
+    group = group if group is not None and group.size() > 1 else None
+    if pow2:
+        fused = _quantize_pow2_fused(x, dim, dtype, group, column_major)
+        if fused is not None:
+            return fused
+    if group is None:
         return Quantized(*_kernel(_quantize, x)(x, dim, dtype, pow2, column_major))
     # the amax is all-reduced over the group between the reduction and the cast
     return quantize_with(x, scale_from_amax(amax(x, dim, group), dtype, pow2), dtype, column_major)
+
+
+def _all_reduced(a: torch.Tensor, group) -> torch.Tensor:
+    if group is not None:
+        dist.all_reduce(a, op=dist.ReduceOp.MAX, group=group)
+    return a
+
+
+def _quantize_pow2_fused(x: torch.Tensor, dim: int | None, dtype: torch.dtype, group, column_major: bool):
+    """The power-of-two (rowwise and experts') casts through the Triton kernels of
+    fused_kernels/fp8_rowwise.py where the form is one they write and they run here; else None.
+    - per row of a 2-D x (a token's features, a weight's output row): ``cast_rows``;
+    - a 3-D expert weight [G, K, M] per (expert, column) over K, column-major: the rows of its
+      [G, M, K] transpose when that is how it lies in memory (``w.mT`` of a contiguous w), else
+      ``cast_columns``, which writes the transpose;
+    - a 2-D weight per column, column-major (a rowwise linear's input gradient): the token-group
+      kernels' one-group amax and transposed cast, whose work is split along the rows too."""
+    if dim is None or fast_path_reason(x.device) is not None or x.dim() not in (2, 3):
+        return None
+    dim %= x.dim()
+    if rowwise_kernels_reason(x) is not None:
+        return None
+    if x.dim() == 2 and dim == 1 and not column_major:
+        data, inv = rowwise.cast_rows(x, dtype, _all_reduced(rowwise.row_amax(x), group) if group else None)
+        return Quantized(data, inv)
+    if x.dim() == 3 and dim == 1 and column_major:
+        groups, k, m = x.shape
+        if x.stride(1) == 1 and x.mT.is_contiguous():
+            rows = x.mT.reshape(groups * m, k)
+            data, inv = rowwise.cast_rows(rows, dtype,
+                                          _all_reduced(rowwise.row_amax(rows), group) if group else None)
+            return Quantized(data.view(groups, m, k).mT, inv.view(groups, 1, m))
+        data, inv = rowwise.cast_columns(x, dtype, _all_reduced(rowwise.column_amax(x), group) if group else None)
+        return Quantized(data, inv)
+    if x.dim() == 2 and dim == 0 and column_major and x.shape[0] % _ALIGN == 0:
+        scale = scale_from_amax(_all_reduced(token_groups.column_amax(x), group), dtype, pow2=True)  # [1, C]
+        return Quantized(token_groups.cast_transposed(x, scale, dtype).t(), scale.reciprocal())
+    return None
+
+
+def rowwise_kernels_reason(x: torch.Tensor) -> str | None:
+    """None when the power-of-two Triton casts run for ``x``; else why not (warned once where the
+    fast GEMM runs without them: the compiled casts take over)."""
+    reason = rowwise.available(x)
+    if reason is not None:
+        _warn_rowwise(reason)
+    return reason
+
+
+@functools.cache
+def _warn_rowwise(reason: str) -> None:
+    log.warning("FP8: the rowwise Triton casts not used (%s); the compiled casts run instead", reason)
 
 
 # ----------------------------------------------------------------------------- fast path or reference
