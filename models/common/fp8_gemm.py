@@ -123,7 +123,11 @@ def _compile_refused() -> str | None:
 
 def amax(x: torch.Tensor, dim: int | None, group=None) -> torch.Tensor:
     """fp32 max |x| over ``dim`` (kept, size 1) or over all of x (0-dim); all-reduced over ``group``."""
-    a = _kernel(_amax, x)(x, dim)
+    return _all_reduced(_kernel(_amax, x)(x, dim), group)
+
+
+def _all_reduced(a: torch.Tensor, group) -> torch.Tensor:
+    """``a`` with its MAX over ``group`` (as it is without one, or with one of size 1)."""
     if group is not None and group.size() > 1:
         dist.all_reduce(a, op=dist.ReduceOp.MAX, group=group)
     return a
@@ -161,29 +165,36 @@ def quantize_tensorwise(x: torch.Tensor, dtype: torch.dtype, group=None) -> tupl
     scale (the backward casts other operands with it). The Triton kernels where they run (an amax
     and a cast that computes the scale itself: two launches), else the compiled or eager ops."""
     if tensorwise_kernels_reason(x) is None:
-        a = tensorwise.tensor_amax(x)
-        if group is not None and group.size() > 1:
-            dist.all_reduce(a, op=dist.ReduceOp.MAX, group=group)
-        data, scale, inv = tensorwise.cast(x, a, dtype)
+        data, scale, inv = tensorwise.cast(x, _all_reduced(tensorwise.tensor_amax(x), group), dtype)
         return Quantized(data, inv), scale
     scale = scale_from_amax(amax(x, None, group), dtype, pow2=False)
     return quantize_with(x, scale, dtype), scale
 
 
 def tensorwise_kernels_reason(x: torch.Tensor) -> str | None:
-    """None when the tensorwise Triton kernels cast ``x`` for the fast GEMM; else why not (warned once
-    where the fast GEMM runs without them: the compiled casts take over)."""
+    """None when the tensorwise Triton kernels cast ``x`` for the fast GEMM, else why not."""
+    return _triton_casts_reason(x, tensorwise, "tensorwise")
+
+
+def rowwise_kernels_reason(x: torch.Tensor) -> str | None:
+    """None when the power-of-two Triton kernels cast ``x`` for the fast GEMM, else why not."""
+    return _triton_casts_reason(x, rowwise, "rowwise")
+
+
+def _triton_casts_reason(x: torch.Tensor, kernels, name: str) -> str | None:
+    """None when torch's FP8 GEMM runs and ``kernels`` (a module of fused_kernels) can cast ``x``;
+    else why not, warned once where the fast GEMM runs without them (the compiled casts take over)."""
     reason = fast_path_reason(x.device)
     if reason is None:
-        reason = tensorwise.available(x)
+        reason = kernels.available(x)
         if reason is not None:
-            _warn_tensorwise(reason)
+            _warn_triton_casts(name, reason)
     return reason
 
 
 @functools.cache
-def _warn_tensorwise(reason: str) -> None:
-    log.warning("FP8: the tensorwise Triton casts not used (%s); the compiled casts run instead", reason)
+def _warn_triton_casts(name: str, reason: str) -> None:
+    log.warning("FP8: the %s Triton casts not used (%s); the compiled casts run instead", name, reason)
 
 
 def _quantize(x: torch.Tensor, dim: int | None, dtype: torch.dtype, pow2: bool, column_major: bool):
@@ -208,10 +219,10 @@ def quantize(x: torch.Tensor, dim: int | None, dtype: torch.dtype, pow2: bool, g
     return quantize_with(x, scale_from_amax(amax(x, dim, group), dtype, pow2), dtype, column_major)
 
 
-def _all_reduced(a: torch.Tensor, group) -> torch.Tensor:
-    if group is not None:
-        dist.all_reduce(a, op=dist.ReduceOp.MAX, group=group)
-    return a
+def _given_amax(amax_of, x: torch.Tensor, group) -> torch.Tensor | None:
+    """The amax a cast kernel is handed when TP splits its reduction (reduced over ``group`` first);
+    None without a group: the kernel then takes the amax itself, in the same pass."""
+    return None if group is None else _all_reduced(amax_of(x), group)
 
 
 def _quantize_pow2_fused(x: torch.Tensor, dim: int | None, dtype: torch.dtype, group, column_major: bool):
@@ -223,41 +234,22 @@ def _quantize_pow2_fused(x: torch.Tensor, dim: int | None, dtype: torch.dtype, g
       ``cast_columns``, which writes the transpose;
     - a 2-D weight per column, column-major (a rowwise linear's input gradient): the token-group
       kernels' one-group amax and transposed cast, whose work is split along the rows too."""
-    if dim is None or fast_path_reason(x.device) is not None or x.dim() not in (2, 3):
+    if dim is None or x.dim() not in (2, 3) or rowwise_kernels_reason(x) is not None:
         return None
     dim %= x.dim()
-    if rowwise_kernels_reason(x) is not None:
-        return None
     if x.dim() == 2 and dim == 1 and not column_major:
-        data, inv = rowwise.cast_rows(x, dtype, _all_reduced(rowwise.row_amax(x), group) if group else None)
-        return Quantized(data, inv)
+        return Quantized(*rowwise.cast_rows(x, dtype, _given_amax(rowwise.row_amax, x, group)))
     if x.dim() == 3 and dim == 1 and column_major:
         groups, k, m = x.shape
         if x.stride(1) == 1 and x.mT.is_contiguous():
             rows = x.mT.reshape(groups * m, k)
-            data, inv = rowwise.cast_rows(rows, dtype,
-                                          _all_reduced(rowwise.row_amax(rows), group) if group else None)
+            data, inv = rowwise.cast_rows(rows, dtype, _given_amax(rowwise.row_amax, rows, group))
             return Quantized(data.view(groups, m, k).mT, inv.view(groups, 1, m))
-        data, inv = rowwise.cast_columns(x, dtype, _all_reduced(rowwise.column_amax(x), group) if group else None)
-        return Quantized(data, inv)
+        return Quantized(*rowwise.cast_columns(x, dtype, _given_amax(rowwise.column_amax, x, group)))
     if x.dim() == 2 and dim == 0 and column_major and x.shape[0] % _ALIGN == 0:
         scale = scale_from_amax(_all_reduced(token_groups.column_amax(x), group), dtype, pow2=True)  # [1, C]
         return Quantized(token_groups.cast_transposed(x, scale, dtype).t(), scale.reciprocal())
     return None
-
-
-def rowwise_kernels_reason(x: torch.Tensor) -> str | None:
-    """None when the power-of-two Triton casts run for ``x``; else why not (warned once where the
-    fast GEMM runs without them: the compiled casts take over)."""
-    reason = rowwise.available(x)
-    if reason is not None:
-        _warn_rowwise(reason)
-    return reason
-
-
-@functools.cache
-def _warn_rowwise(reason: str) -> None:
-    log.warning("FP8: the rowwise Triton casts not used (%s); the compiled casts run instead", reason)
 
 
 # ----------------------------------------------------------------------------- fast path or reference
