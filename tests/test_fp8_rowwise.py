@@ -6,20 +6,13 @@ and the compiled casts they replace."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from fused_kernels import fp8_rowwise as rw
 from fused_kernels import fp8_token_groups as tg
 from models.common import fp8, fp8_gemm
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.fp8_cases import linear_case, run_interpreted, scaled_mm_emulated
 
 # Rows: several column blocks (256) with a ragged edge, one row, no rows; row-major, column-major and
 # a column slice. Columns (expert weights [G, K, M]): ragged K and M blocks (64), contiguous and
@@ -64,19 +57,11 @@ print(json.dumps(out))
 
 
 def test_rowwise_kernels_equal_their_references_under_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", _INTERP_CHECK], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    *rows, scales = json.loads(proc.stdout.strip().splitlines()[-1])
+    *rows, scales = run_interpreted(_INTERP_CHECK)
     assert len(rows) == 15 + 8
     for row in rows:
         assert all(row[-1]) and len(row[-1]) == 7, row
     assert scales == [32466, True, True]  # every positive finite bf16 value below 1.4e38
-
-
-def _scaled_mm_emulated(a, b, scale_a, scale_b, out_dtype, use_fast_accum):
-    return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
 
 
 def _scaled_grouped_mm_emulated(a, b, scale_a, scale_b, offs, out_dtype, use_fast_accum):
@@ -106,7 +91,7 @@ def _kernels_replaced_by_references(monkeypatch) -> dict:
     monkeypatch.setattr(tg, "available", lambda x: None)
     monkeypatch.setattr(tg, "column_amax", spy("column_amax", tg.column_amax_reference))
     monkeypatch.setattr(tg, "cast_transposed", spy("transposed", tg.cast_transposed_reference))
-    monkeypatch.setattr(torch, "_scaled_mm", _scaled_mm_emulated)
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm_emulated)
     monkeypatch.setattr(torch, "_scaled_grouped_mm", _scaled_grouped_mm_emulated)
     return calls
 
@@ -115,22 +100,11 @@ def test_rowwise_linear_through_the_kernels_equals_the_emulated_one(monkeypatch)
     """``_Fp8Linear`` under ``rowwise`` with its casts through the Triton kernels' forms (references
     standing in) against the emulated path: the same output and input gradient, a weight gradient
     equal up to the padded contraction's summation order; with GDN's high-precision tail rows too."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(1000, 64, generator=gen).bfloat16()
-    w = (torch.randn(96, 64, generator=gen) * 0.05).bfloat16()
-    g = torch.randn(1000, 96, generator=gen).bfloat16()
-
-    def run(hp_rows):
-        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-        spec = fp8._Spec(fp8_gemm.RECIPES["rowwise"], "out", None, hp_rows)
-        out = fp8._Fp8Linear.apply(xi, wi, None, spec, False, False, False, None)
-        out.backward(g)
-        return out.float(), wi.grad.float(), xi.grad.float()
-
-    emulated = [run(h) for h in (0, 16)]
+    run = linear_case("rowwise")
+    emulated = [run(h, False) for h in (0, 16)]
     calls = _kernels_replaced_by_references(monkeypatch)
     for hp_rows, (out_e, dw_e, dx_e) in zip((0, 16), emulated):
-        out, dw, dx = run(hp_rows)
+        out, dw, dx = run(hp_rows, False)
         torch.testing.assert_close(out, out_e, rtol=0, atol=0)
         torch.testing.assert_close(dx, dx_e, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(dw, dw_e, rtol=1e-2, atol=1e-3)

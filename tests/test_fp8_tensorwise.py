@@ -5,20 +5,13 @@ the kernels bit-exact in e4m3 and e5m2 against the references and the compiled c
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from fused_kernels import fp8_tensorwise as tw
 from fused_kernels import fp8_token_groups as tg
-from models.common import fp8, fp8_gemm
-
-ROOT = Path(__file__).resolve().parents[1]
+from models.common import fp8_gemm
+from tests.helpers.fp8_cases import linear_case, run_interpreted, scaled_mm_emulated
 
 # Shapes: several amax chunks (CHUNK_ROWS = 512) and column blocks, a ragged edge, a tall narrow
 # tensor, empty ones; each row-major, column-major and as a column slice of a wider tensor (GDN's
@@ -57,20 +50,11 @@ print(json.dumps(out))
 
 
 def test_tensorwise_kernels_equal_their_references_under_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", _INTERP_CHECK], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    *rows, edges, edges2, edges3, scales = json.loads(proc.stdout.strip().splitlines()[-1])
+    *rows, edges, edges2, edges3, scales = run_interpreted(_INTERP_CHECK)
     assert len(rows) == 15 and edges + edges2 + edges3 == [True] * 3
     for n, cols, amax_equal, cast_equal, shape, laid_out in rows:
         assert amax_equal and cast_equal == [True, True, True] and shape == [n, cols] and laid_out, (n, cols)
     assert scales == [True] * 6
-
-
-def _scaled_mm_emulated(a, b, scale_a, scale_b, out_dtype, use_fast_accum):
-    """torch._scaled_mm written out: (a * scale_a) @ (b * scale_b), 0-dim scales."""
-    return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
 
 
 def test_linear_through_the_tensorwise_kernels_equals_the_emulated_one(monkeypatch):
@@ -79,20 +63,7 @@ def test_linear_through_the_tensorwise_kernels_equals_the_emulated_one(monkeypat
     output and input gradient, and a weight gradient equal up to the padded contraction's summation
     order; also with GDN's high-precision tail rows (the gradient cast as a column slice) and when
     the weight gradient is added into main_grad. Every cast went through the kernels."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(1000, 64, generator=gen).bfloat16()
-    w = (torch.randn(96, 64, generator=gen) * 0.05).bfloat16()
-    g = torch.randn(1000, 96, generator=gen).bfloat16()
-
-    def run(hp_rows, main_grad):
-        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-        if main_grad:
-            wi.main_grad = torch.full(w.shape, 0.5)
-        spec = fp8._Spec(fp8_gemm.RECIPES["tensorwise"], "out", None, hp_rows)
-        out = fp8._Fp8Linear.apply(xi, wi, None, spec, main_grad, False, False, None)
-        out.backward(g)
-        return out.float(), (wi.main_grad if main_grad else wi.grad).float(), xi.grad.float()
-
+    run = linear_case("tensorwise")
     cases = [(0, False), (16, False), (0, True)]
     emulated = [run(*c) for c in cases]
     monkeypatch.setattr(fp8_gemm, "fast_path_reason", lambda *a, **k: None)
@@ -106,7 +77,7 @@ def test_linear_through_the_tensorwise_kernels_equals_the_emulated_one(monkeypat
     monkeypatch.setattr(tw, "cast", spy("cast", tw.cast_reference))
     monkeypatch.setattr(tg, "available", lambda x: None)
     monkeypatch.setattr(tg, "cast_transposed", spy("transposed", tg.cast_transposed_reference))
-    monkeypatch.setattr(torch, "_scaled_mm", _scaled_mm_emulated)
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm_emulated)
     for case, (out_e, dw_e, dx_e) in zip(cases, emulated):
         out, dw, dx = run(*case)
         torch.testing.assert_close(out, out_e, rtol=0, atol=0)

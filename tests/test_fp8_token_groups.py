@@ -5,19 +5,12 @@ FP8 path, and, on a GPU, the kernels bit-exact in e4m3."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from fused_kernels import fp8_token_groups as tg
 from models.common import fp8, fp8_gemm
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.fp8_cases import linear_case, run_interpreted, scaled_mm_emulated
 
 # Cases: an empty group and rows past the last offset; two small groups; leading empty groups;
 # no group at all; groups of several chunks (CHUNK_ROWS = 512), whose amax meet through atomics. Each with a row-major input and a column-major one (the a operand is g.mT.mT).
@@ -59,11 +52,7 @@ print(json.dumps([out, dense]))
 
 
 def test_token_group_kernels_equal_their_references_under_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", _INTERP_CHECK], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows, dense = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows, dense = run_interpreted(_INTERP_CHECK)
     assert len(rows) == 10 and len(dense) == 16
     for n, cols, amax_equal, cast_equal, shape in rows:
         assert amax_equal and cast_equal, (n, cols)
@@ -131,11 +120,6 @@ def test_fast_weight_gradient_path_equals_the_emulated_one(monkeypatch):
     assert not fast[1].float().any()  # the empty expert's gradient is zero
 
 
-def _scaled_mm_emulated(a, b, scale_a, scale_b, out_dtype, use_fast_accum):
-    """torch._scaled_mm written out: (a * scale_a) @ (b * scale_b), scales 0-dim or [M, 1] / [1, N]."""
-    return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
-
-
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_dense_weight_gradient_through_the_token_major_cast_equals_the_emulated_one(recipe, monkeypatch):
     """The FP8 linear's weight gradient with both operands cast straight into the token-contiguous
@@ -143,18 +127,10 @@ def test_dense_weight_gradient_through_the_token_major_cast_equals_the_emulated_
     here) against the emulated path: the same quantized operands, so the same weight gradient,
     also with GDN's high-precision tail rows and when it is added into main_grad. 1000 tokens: the
     contraction padded to 1008."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(1000, 64, generator=gen).bfloat16()
-    w = (torch.randn(96, 64, generator=gen) * 0.05).bfloat16()
-    g = torch.randn(1000, 96, generator=gen).bfloat16()
+    linear = linear_case(recipe)
 
     def run(hp_rows, main_grad):
-        xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-        if main_grad:
-            wi.main_grad = torch.full(w.shape, 0.5)
-        spec = fp8._Spec(fp8_gemm.RECIPES[recipe], "out", None, hp_rows)
-        fp8._Fp8Linear.apply(xi, wi, None, spec, main_grad, False, False, None).backward(g)
-        return (wi.main_grad if main_grad else wi.grad).float(), xi.grad.float()
+        return linear(hp_rows, main_grad)[1:]  # the weight and input gradients
 
     cases = [(0, False), (16, False), (0, True)]
     emulated = [run(*c) for c in cases]
@@ -163,7 +139,7 @@ def test_dense_weight_gradient_through_the_token_major_cast_equals_the_emulated_
     monkeypatch.setattr(tg, "group_amax", lambda x, offs, plan: tg.group_amax_reference(x, offs))
     monkeypatch.setattr(tg, "column_amax", tg.column_amax_reference)
     monkeypatch.setattr(tg, "cast_transposed", tg.cast_transposed_reference)
-    monkeypatch.setattr(torch, "_scaled_mm", _scaled_mm_emulated)
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm_emulated)
     calls = []
     token_major = fp8_gemm.token_major
     monkeypatch.setattr(fp8_gemm, "token_major", lambda x, *a, **k: calls.append(x.shape) or token_major(x, *a, **k))
